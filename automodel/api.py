@@ -1,0 +1,37 @@
+"""Python entry points: compose a config as the CLI would, resolve it, run it."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+CONF_DIR = os.environ.get("AUTOMODEL_CONF_DIR", str(Path(__file__).resolve().parent.parent / "conf"))
+
+
+def compose(overrides: list[str] | None = None):
+    """The composed DictConfig for these overrides (``conf/train.yaml`` + groups)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from automodel.config.store import register_schemas
+
+    register_schemas()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return hydra_compose(config_name="train", overrides=list(overrides or []))
+
+
+def load_config(overrides: list[str] | None = None, output_dir: str = ".", env=None):
+    """Compose and resolve: a validated ``TrainConfig`` (raises ``ConfigError``)."""
+    from automodel.config.resolve import resolve
+
+    return resolve(compose(overrides), env=env, output_dir=output_dir, overrides=overrides)
+
+
+def run(overrides: list[str] | None = None, output_dir: str = "."):
+    """Train as ``python train.py <overrides>`` would; returns rank 0's metric records."""
+    from automodel.launch.local import launch
+    from automodel.launch.support import check_runtime_support
+
+    cfg = load_config(overrides, output_dir)
+    check_runtime_support(cfg)
+    return launch(cfg)

@@ -1,0 +1,199 @@
+"""Structured-config schemas. Pure dataclasses: no torch, no YAML.
+
+Hydra validates composed configs against these (see ``store.py``); ``resolve.py`` turns the
+composed config into instances of them and checks what spans fields. Field names, types and
+defaults follow ``shared/reference/options.md``. Fields whose values are a union Hydra cannot
+express (``bool | "full" | "selective"``, ``"all" | list``, ``_target_`` policies) are ``Any``
+here and are checked in ``resolve.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+
+# --------------------------------------------------------------------------- runtime / mesh
+@dataclass
+class DistributedConfig:
+    """Process-group init and local launch."""
+
+    backend: Optional[str] = None  # null = nccl with CUDA, else gloo
+    timeout_minutes: int = 1  # init and collective timeout, every mesh sub-group too
+    nproc_per_node: Optional[int] = None  # null = product of mesh sizes (2 for DP strategies)
+
+
+@dataclass
+class MeshConfig:
+    """Parallel degrees. ``null`` sizes are inferred by ``resolve.py``."""
+
+    dp_size: Optional[int] = None  # null = world / (tp * cp * pp)
+    dp_replicate_size: Optional[int] = None  # HSDP replication degree; null = 1
+    tp_size: int = 1
+    cp_size: int = 1
+    cp_ulysses_size: Optional[int] = None  # null = the whole cp axis is ring
+    pp_size: Optional[int] = None  # null = 2 when a pipeline schedule is chosen, else 1
+    ep_size: int = 1
+
+
+# --------------------------------------------------------------------------- strategies
+@dataclass
+class SingleProcessConfig:
+    """``parallelism=none``: one process, no wrapping. The reference for loss parity."""
+
+    activation_checkpointing: Any = False  # bool | "full" | "selective"
+    activation_checkpointing_scope: Any = "all"  # "all" | list of language/vision/audio/multimodal
+    autocast_dtype: Optional[str] = None
+    enable_compile: bool = False
+    patch_is_packed_sequence: bool = False
+
+
+@dataclass
+class DDPConfig:
+    """``parallelism=ddp``: torch DistributedDataParallel over the data-parallel axis."""
+
+    activation_checkpointing: Any = False
+    activation_checkpointing_scope: Any = "all"
+    autocast_dtype: Optional[str] = None
+    broadcast_buffers: bool = False
+    bucket_cap_mb: Optional[float] = None  # null = PyTorch's default
+    find_unused_parameters: bool = False
+    gradient_as_bucket_view: bool = False
+    static_graph: bool = False
+    enable_compile: bool = False
+    patch_is_packed_sequence: bool = False
+
+
+@dataclass
+class MultimodalConfig:
+    frozen_sharding: str = "root"  # root | per_layer | replicate
+    vision: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class FSDP2Config:
+    """``parallelism=fsdp2`` (HSDP when ``mesh.dp_replicate_size`` > 1)."""
+
+    activation_checkpointing: Any = False
+    activation_checkpointing_scope: Any = "all"
+    autocast_dtype: Optional[str] = None
+    sequence_parallel: bool = False
+    tp_plan: Any = None  # null | dict pattern -> style | import path
+    enable_async_tensor_parallel: bool = False
+    enable_compile: bool = False
+    enable_fsdp2_prefetch: bool = True
+    fsdp2_forward_prefetch_depth: int = 1
+    fsdp2_backward_prefetch_depth: int = 2
+    reshard_after_forward: Optional[bool] = None  # null = heuristic
+    defer_fsdp_grad_sync: bool = True
+    mp_policy: Any = None  # {_target_: torch.distributed.fsdp.MixedPrecisionPolicy, ...} | null
+    offload_policy: Any = None  # {_target_: torch.distributed.fsdp.CPUOffloadPolicy, ...} | null
+    patch_is_packed_sequence: bool = False
+    multimodal: MultimodalConfig = field(default_factory=MultimodalConfig)
+
+
+@dataclass
+class MegatronFSDPConfig:
+    """``parallelism=megatron_fsdp`` (the ``megatron-fsdp`` package; CUDA only)."""
+
+    zero_dp_strategy: Any = 3  # int 0-3 or no_shard | optim | optim_grads | optim_grads_params
+    megatron_fsdp_unit_modules: Optional[List[str]] = None
+    activation_checkpointing: bool = False
+    autocast_dtype: Optional[str] = None
+    overlap_grad_reduce: bool = True
+    overlap_param_gather: bool = True
+    grad_reduce_in_fp32: bool = False
+    preserve_fp32_weights: bool = False
+    init_fsdp_with_meta_device: bool = False
+    average_in_collective: bool = False
+    calculate_per_token_loss: bool = False
+    disable_bucketing: bool = False
+    fsdp_double_buffer: bool = False
+    nccl_ub: bool = False
+    keep_fp8_transpose_cache: bool = False
+    check_for_nan_in_grad: bool = True
+    report_nan_in_param_grad: bool = False
+    sequence_parallel: bool = False
+    tp_plan: Any = None
+    patch_is_packed_sequence: bool = False
+
+
+# --------------------------------------------------------------------------- pipeline
+@dataclass
+class PipelineConfig:
+    """``pipeline=<schedule>``. ``pipeline=none`` leaves the node empty."""
+
+    pp_schedule: str = "1f1b"
+    pp_schedule_csv: Optional[str] = None
+    pp_batch_size: Optional[int] = None  # null = the per-dp-rank batch
+    pp_microbatch_size: int = 1
+    layers_per_stage: Optional[int] = None
+    round_virtual_stages_to_pp_multiple: Optional[str] = None  # up | down | null
+    module_fqns_per_model_part: Optional[List[List[str]]] = None
+    pp_seq_len: Optional[int] = None  # null = trainer.seq_len
+    dtype: Optional[str] = None
+    scale_grads_in_schedule: bool = False
+    loss_fn: Optional[str] = None  # import path; null = the recipe's own loss
+    patch_causal_lm_model: bool = True
+    patch_inner_model: bool = True
+    patch_stage_backward_maybe_with_nosync: bool = False
+    pp_recv_buffer_pool: bool = False
+    pp_recv_buffer_pool_slack: int = 2
+
+
+# --------------------------------------------------------------------------- model, data, optim
+@dataclass
+class ModelConfig:
+    name: str = "llama_tiny"
+    # keyword arguments of ``AutoConfig.for_model``; ``model_type`` selects the family
+    config: Dict[str, Any] = field(default_factory=dict)
+    pretrained_path: Optional[str] = None  # local directory for ``from_pretrained``
+    dtype: str = "float32"
+
+
+@dataclass
+class CorpusDataConfig:
+    """The shipped procedural language, byte-level tokens."""
+
+    num_documents: int = 20000
+    seed: int = 0
+
+
+@dataclass
+class SyntheticDataConfig:
+    """Uniform random tokens from a seed (tests)."""
+
+    num_sequences: int = 4096
+    vocab_size: Optional[int] = None  # null = the model's vocabulary
+    seed: int = 0
+
+
+@dataclass
+class FilesDataConfig:
+    """Local ``.txt`` (one document per blank-line-separated block) or ``.jsonl`` files."""
+
+    paths: List[str] = field(default_factory=list)
+    text_key: str = "text"
+    tokenizer_path: Optional[str] = None  # local directory for ``AutoTokenizer``; null = bytes
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"
+    lr: float = 3.0e-3
+    weight_decay: float = 0.0
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1.0e-8
+    warmup_steps: int = 10
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at max_steps
+    max_grad_norm: Optional[float] = 1.0  # null = no clipping (the norm is still logged)
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 100
+    global_batch_size: int = 16
+    local_batch_size: Optional[int] = None  # micro-batch per dp rank; null = global / dp
+    seq_len: int = 64
+    seed: int = 1234
+    log_every: int = 10

@@ -1,0 +1,1 @@
+"""Token sources (shipped corpus, synthetic, local files) and the per-step batch plan."""

@@ -1,0 +1,45 @@
+"""Which sequences each rank trains on at each step, independent of the parallel layout.
+
+Step ``s`` uses global batch ``s`` of a seeded permutation (a new one each epoch). The global
+batch is split into contiguous slices per data-parallel rank, and each slice into
+micro-batches. Any layout sees the same global batch at the same step, so losses match.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class BatchPlan:
+    def __init__(self, sequences: torch.Tensor, global_batch_size: int, seed: int):
+        if sequences.shape[0] < global_batch_size:
+            raise ValueError(f"the data has {sequences.shape[0]} sequences, fewer than "
+                             f"trainer.global_batch_size={global_batch_size}")
+        self.sequences = sequences
+        self.global_batch_size = global_batch_size
+        self.seed = seed
+        self.batches_per_epoch = sequences.shape[0] // global_batch_size
+        self._epoch = -1
+        self._order = None
+
+    def _permutation(self, epoch: int) -> torch.Tensor:
+        if epoch != self._epoch:
+            gen = torch.Generator().manual_seed(self.seed + epoch)
+            self._order = torch.randperm(self.sequences.shape[0], generator=gen)
+            self._epoch = epoch
+        return self._order
+
+    def global_batch(self, step: int) -> torch.Tensor:
+        """Rows of global batch ``step`` (0-based)."""
+        epoch, index = divmod(step, self.batches_per_epoch)
+        order = self._permutation(epoch)
+        rows = order[index * self.global_batch_size:(index + 1) * self.global_batch_size]
+        return self.sequences[rows]
+
+    def micro_batches(self, step: int, dp_rank: int, dp_size: int, local_batch_size: int):
+        """[(input_ids, labels), ...] for this data-parallel rank at ``step``."""
+        batch = self.global_batch(step)
+        per_rank = self.global_batch_size // dp_size
+        mine = batch[dp_rank * per_rank:(dp_rank + 1) * per_rank]
+        return [(mb[:, :-1].contiguous(), mb[:, 1:].contiguous())
+                for mb in mine.split(local_batch_size)]

@@ -1,0 +1,77 @@
+"""FSDP2 (``fully_shard``): per transformer block, then the root; HSDP on a 2-D mesh."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
+
+from automodel.config.policies import POLICY_FIELDS, PolicySpec
+from automodel.config.schema import FSDP2Config
+
+log = logging.getLogger(__name__)
+_CLASSES = {"MixedPrecisionPolicy": MixedPrecisionPolicy, "CPUOffloadPolicy": CPUOffloadPolicy,
+            "OffloadPolicy": OffloadPolicy}
+
+
+def build_policy(spec: PolicySpec | None, device: torch.device):
+    """The torch policy object for a validated spec (dtype names become torch dtypes)."""
+    if spec is None:
+        return None
+    kwargs = {}
+    for key, value in spec.kwargs.items():
+        kind = POLICY_FIELDS[spec.name][key]
+        kwargs[key] = getattr(torch, value) if (kind == "dtype" and value is not None) else value
+    if spec.name == "CPUOffloadPolicy" and device.type == "cpu" and not torch.accelerator.is_available():
+        if kwargs.get("pin_memory", True):
+            log.info("offload_policy: pin_memory=False (pinned memory needs an accelerator)")
+        kwargs["pin_memory"] = False
+    return _CLASSES[spec.name](**kwargs)
+
+
+def reshard_after_forward_for(index: int, num_blocks: int, opts: FSDP2Config,
+                              pp_enabled: bool) -> bool:
+    """options.md: explicit value wins; else no reshard under PP, else all blocks but the last."""
+    if opts.reshard_after_forward is not None:
+        return opts.reshard_after_forward
+    if pp_enabled:
+        return False
+    return index < num_blocks - 1
+
+
+def apply_fsdp2(model: nn.Module, block_fqns: list[str], mesh: DeviceMesh, opts: FSDP2Config,
+                mp_policy: MixedPrecisionPolicy, offload_policy, pp_enabled: bool = False) -> list[nn.Module]:
+    """Shard every block, then the root. Returns the sharded blocks in forward order."""
+    common = {"mesh": mesh, "mp_policy": mp_policy,
+              "offload_policy": offload_policy or OffloadPolicy()}
+    blocks = []
+    for i, fqn in enumerate(block_fqns):
+        block = model.get_submodule(fqn)
+        fully_shard(block, reshard_after_forward=reshard_after_forward_for(
+            i, len(block_fqns), opts, pp_enabled), **common)
+        blocks.append(block)
+    root_reshard = opts.reshard_after_forward if opts.reshard_after_forward is not None else (not pp_enabled)
+    fully_shard(model, reshard_after_forward=root_reshard, **common)
+    if opts.enable_fsdp2_prefetch:
+        set_prefetch(blocks, opts.fsdp2_forward_prefetch_depth, opts.fsdp2_backward_prefetch_depth)
+    return blocks
+
+
+def set_prefetch(blocks: list[nn.Module], forward_depth: int, backward_depth: int) -> None:
+    """Explicit prefetch chains: in forward each block all-gathers the next ``forward_depth``;
+    in backward each block all-gathers the ``backward_depth`` blocks before it."""
+    for i, block in enumerate(blocks):
+        nxt = blocks[i + 1:i + 1 + forward_depth]
+        if nxt and forward_depth > 0:
+            block.set_modules_to_forward_prefetch(nxt)
+        prev = list(reversed(blocks[max(0, i - backward_depth):i]))
+        if prev and backward_depth > 0:
+            block.set_modules_to_backward_prefetch(prev)

@@ -1,0 +1,51 @@
+"""Process-group initialization and the per-rank runtime facts."""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class DistInfo:
+    backend: str
+    device: torch.device
+    rank: int
+    world_size: int
+    local_rank: int
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(backend: str | None, timeout_minutes: int, need_group: bool) -> DistInfo:
+    """Start the default process group from the launcher's env (RANK, WORLD_SIZE, ...).
+
+    A single process that still needs a group (e.g. FSDP2 on one rank) gets an in-memory one.
+    """
+    use_cuda = torch.cuda.is_available()
+    backend = backend or ("nccl" if use_cuda else "gloo")
+    rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cuda", local_rank) if (use_cuda and backend == "nccl") else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    if not dist.is_initialized() and (world > 1 or need_group):
+        if world > 1:
+            dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                    timeout=timeout)
+    return DistInfo(backend, device, rank, world, local_rank)
+
+
+def destroy_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,24 @@
+"""Patches of transformers internals that some strategies ask for."""
+
+from __future__ import annotations
+
+
+def _never_packed(position_ids, batch_size):
+    return False
+
+
+def patch_is_packed_sequence() -> None:
+    """Make transformers' ``_is_packed_sequence`` always return a Python ``False``.
+
+    Removes a device sync per attention layer and keeps attention shapes static for compile.
+    Only for unpacked training (position ids that never restart mid-sequence).
+    """
+    from transformers import modeling_flash_attention_utils as fa_utils
+
+    fa_utils._is_packed_sequence = _never_packed
+
+
+def is_packed_sequence_patched() -> bool:
+    from transformers import modeling_flash_attention_utils as fa_utils
+
+    return fa_utils._is_packed_sequence is _never_packed

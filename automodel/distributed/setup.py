@@ -1,0 +1,56 @@
+"""DistributedSetup: the one object the runner consults about parallelism."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from automodel.config.policies import PolicySpec
+from automodel.distributed.init import DistInfo
+from automodel.distributed.mesh import MeshAxis, MeshContext
+
+
+@dataclass
+class DistributedSetup:
+    strategy: str  # none | ddp | fsdp2 | megatron_fsdp
+    options: Any  # the strategy's option dataclass
+    dist: DistInfo
+    mesh: Optional[MeshContext]  # None for a single process without a group
+    activation_checkpointing: str = "none"  # none | full | selective
+    activation_checkpointing_scope: list = field(default_factory=lambda: ["all"])
+    mp_policy: Optional[PolicySpec] = None
+    offload_policy: Optional[PolicySpec] = None
+    pipeline: Any = None  # PipelineConfig when pp is on
+    pre_shard_hook: Optional[Callable[[nn.Module], None]] = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.dist.device
+
+    def size(self, axis: MeshAxis) -> int:
+        return 1 if self.mesh is None else self.mesh.size(axis)
+
+    @property
+    def dp_size(self) -> int:
+        return self.size(MeshAxis.DP)
+
+    @property
+    def dp_rank(self) -> int:
+        return 0 if self.mesh is None else self.mesh.dp_rank
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.size(MeshAxis.PP) > 1
+
+    @property
+    def dp_group(self):
+        """Group over which losses and token counts are summed (None = no group)."""
+        return None if self.mesh is None else self.mesh[MeshAxis.DP].get_group()
+
+    @property
+    def autocast_dtype(self) -> Optional[torch.dtype]:
+        name = getattr(self.options, "autocast_dtype", None)
+        return None if name is None else getattr(torch, name)

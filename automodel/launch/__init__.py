@@ -1,0 +1,1 @@
+"""Starting ranks: detect torchrun / SLURM, or spawn local ranks ourselves."""

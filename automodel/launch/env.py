@@ -1,0 +1,32 @@
+"""Which launcher started this process, read from the environment. No torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+
+@dataclass
+class LaunchEnv:
+    kind: str  # "torchrun" (any torch elastic agent) | "slurm" (srun tasks) | "local"
+    world_size: Optional[int] = None  # known only when an outer launcher started the ranks
+    local_world_size: Optional[int] = None
+    rank: int = 0
+
+    @property
+    def external(self) -> bool:
+        return self.kind != "local"
+
+
+def detect_launch_env(env: Mapping[str, str]) -> LaunchEnv:
+    if "TORCHELASTIC_RUN_ID" in env or ("RANK" in env and "WORLD_SIZE" in env
+                                        and "MASTER_ADDR" in env):
+        return LaunchEnv("torchrun", int(env["WORLD_SIZE"]),
+                         int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])), int(env["RANK"]))
+    # srun with more than one task: every task is one rank.
+    if "SLURM_STEP_ID" in env and int(env.get("SLURM_STEP_NUM_TASKS", env.get("SLURM_NTASKS", "1"))) > 1:
+        ntasks = int(env.get("SLURM_STEP_NUM_TASKS", env.get("SLURM_NTASKS")))
+        local = int(env.get("SLURM_NTASKS_PER_NODE", env.get("SLURM_STEP_TASKS_PER_NODE", "1")
+                            ).split("(")[0])
+        return LaunchEnv("slurm", ntasks, local, int(env.get("SLURM_PROCID", "0")))
+    return LaunchEnv("local")

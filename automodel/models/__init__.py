@@ -1,0 +1,1 @@
+"""Building models and finding their parts (blocks, layer groups). No parallelism here."""

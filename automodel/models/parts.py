@@ -1,0 +1,72 @@
+"""Where the transformer blocks and layer groups of a model are (by FQN)."""
+
+from __future__ import annotations
+
+from torch import nn
+
+# Layer groups activation checkpointing can be scoped to. Text-only models have "language".
+LAYER_GROUPS = ("language", "vision", "audio", "multimodal")
+_VISION_HINTS = ("vision", "visual", "image")
+_AUDIO_HINTS = ("audio", "speech")
+_PROJECTOR_HINTS = ("projector", "multi_modal", "multimodal")
+
+
+def block_class_names(model: nn.Module) -> set[str]:
+    names = getattr(model, "_no_split_modules", None) or ()
+    return set(names)
+
+
+def block_fqns(model: nn.Module) -> list[str]:
+    """FQNs of the transformer blocks (classes in ``_no_split_modules``), in forward order."""
+    classes = block_class_names(model)
+    if not classes:
+        raise ValueError(f"{type(model).__name__} declares no _no_split_modules: cannot find its "
+                         "transformer blocks")
+    found = [name for name, mod in model.named_modules()
+             if type(mod).__name__ in classes and name]
+    # keep outermost blocks only (a block class nested in another block is part of it)
+    outer = [n for n in found if not any(n.startswith(o + ".") for o in found if o != n)]
+    if not outer:
+        raise ValueError(f"no module of class {sorted(classes)} found in {type(model).__name__}")
+    return outer
+
+
+def _group_of(fqn: str) -> str:
+    lowered = fqn.lower()
+    if any(h in lowered for h in _VISION_HINTS):
+        return "vision"
+    if any(h in lowered for h in _AUDIO_HINTS):
+        return "audio"
+    if any(h in lowered for h in _PROJECTOR_HINTS):
+        return "multimodal"
+    return "language"
+
+
+def layer_groups(model: nn.Module) -> dict[str, list[str]]:
+    """Blocks by group: {"language": [...], "vision": [...], ...}; only non-empty groups."""
+    groups: dict[str, list[str]] = {}
+    for fqn in block_fqns(model):
+        groups.setdefault(_group_of(fqn), []).append(fqn)
+    return groups
+
+
+def select_blocks(model: nn.Module, scope: list[str], trainable_only: bool = True) -> list[str]:
+    """Blocks in the given scope (["all"] or group names); scoped groups keep trainable blocks."""
+    if scope == ["all"]:
+        return block_fqns(model)
+    groups = layer_groups(model)
+    missing = [g for g in scope if g not in groups]
+    if missing:
+        raise ValueError(f"activation_checkpointing_scope={scope}: {type(model).__name__} has no "
+                         f"{', '.join(missing)} layers (its groups: {', '.join(groups)})")
+    chosen = [f for g in scope for f in groups[g]]
+    if trainable_only:
+        chosen = [f for f in chosen
+                  if any(p.requires_grad for p in model.get_submodule(f).parameters())]
+    return chosen
+
+
+def replace_module(model: nn.Module, fqn: str, new: nn.Module) -> None:
+    parent_name, _, child = fqn.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    parent.register_module(child, new)

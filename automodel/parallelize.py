@@ -1,0 +1,50 @@
+"""The order in which parallelism is applied to a model. Read this first.
+
+    parts = split_into_stages(model)  (pipeline; one part until the pipeline runtime lands)
+    for part in parts:
+        pre_shard_hook -> tensor parallel -> context parallel -> expert parallel
+        -> activation checkpointing -> compile -> data parallel (DDP / FSDP2)
+
+Tensor, context and expert parallelism are refused before launch until they land
+(``automodel.launch.support``); their places in the order are fixed here.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from automodel.distributed.activation_checkpointing import apply_ac
+from automodel.distributed.compile import apply_compile
+from automodel.distributed.ddp import apply_ddp
+from automodel.distributed.fsdp2 import apply_fsdp2, build_policy
+from automodel.distributed.mesh import MeshAxis
+from automodel.distributed.setup import DistributedSetup
+from automodel.models.parts import block_fqns, replace_module, select_blocks
+
+
+def parallelize(model: nn.Module, setup: DistributedSetup) -> list[nn.Module]:
+    """Apply every technique the setup asks for; returns the model parts to train."""
+    parts = [model]
+    result = []
+    for part in parts:
+        if setup.pre_shard_hook is not None:
+            setup.pre_shard_hook(part)
+        blocks = block_fqns(part)
+        ac_blocks = select_blocks(part, setup.activation_checkpointing_scope)
+        apply_ac(part, ac_blocks, setup.activation_checkpointing, replace_module)
+        if getattr(setup.options, "enable_compile", False):
+            apply_compile(part, blocks)
+        result.append(apply_data_parallel(part, blocks, setup))
+    return result
+
+
+def apply_data_parallel(part: nn.Module, blocks: list[str], setup: DistributedSetup) -> nn.Module:
+    if setup.strategy == "ddp":
+        return apply_ddp(part, setup.mesh[MeshAxis.DP], setup.options, setup.device)
+    if setup.strategy == "fsdp2":
+        apply_fsdp2(part, blocks, setup.mesh.fsdp_mesh(), setup.options,
+                    build_policy(setup.mp_policy, setup.device),
+                    build_policy(setup.offload_policy, setup.device), setup.pp_enabled)
+        return part
+    assert setup.strategy == "none", f"strategy {setup.strategy} is refused before launch"
+    return part

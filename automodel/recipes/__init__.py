@@ -1,0 +1,1 @@
+"""Recipes: what runs on every rank once the config is resolved."""

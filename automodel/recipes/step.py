@@ -1,0 +1,89 @@
+"""One optimizer step: micro-batches with gradient accumulation, the global loss, clipping.
+
+The loss of a step is the mean token cross-entropy over the whole global batch (all ranks,
+all micro-batches), so every layout reports the same number for the same data. Each
+micro-batch's backward uses ``sum / global_tokens * dp_size`` because DDP and FSDP2 average
+gradients over the data-parallel ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from automodel.distributed.setup import DistributedSetup
+
+IGNORE_INDEX = -100
+
+
+def _all_reduce_sum(t: torch.Tensor, group) -> torch.Tensor:
+    if group is not None:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    return t
+
+
+def grad_sync_context(model, setup: DistributedSetup, is_last: bool):
+    """Skip the gradient reduce on all but the last micro-batch where the strategy allows."""
+    if setup.strategy == "ddp" and not is_last:
+        return model.no_sync()
+    if setup.strategy == "fsdp2" and setup.options.defer_fsdp_grad_sync:
+        model.set_requires_gradient_sync(is_last)
+    return contextlib.nullcontext()
+
+
+def autocast_context(setup: DistributedSetup):
+    dtype = setup.autocast_dtype
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=setup.device.type, dtype=dtype)
+
+
+def _ddp_hint(err: RuntimeError) -> RuntimeError:
+    text = str(err)
+    if "Expected to have finished reduction" in text or "did not receive grad" in text:
+        return RuntimeError("DDP found parameters that received no gradient (a branch of the "
+                            "model was not used). Set parallelism.find_unused_parameters=true."
+                            f"\n{text}")
+    return err
+
+
+def grad_norm_and_clip(model, max_grad_norm) -> float:
+    params = [p for p in model.parameters() if p.grad is not None]
+    limit = max_grad_norm if max_grad_norm is not None else math.inf
+    norm = torch.nn.utils.clip_grad_norm_(params, limit, foreach=True)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    return float(norm)
+
+
+def train_step(model, setup: DistributedSetup, micro_batches, optimizer, max_grad_norm):
+    """Returns (global mean loss, gradient norm before clipping, global token count)."""
+    device = setup.device
+    group = setup.dp_group
+    local_tokens = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in micro_batches)
+    global_tokens = int(_all_reduce_sum(torch.tensor([local_tokens], dtype=torch.float64,
+                                                     device=device), group).item())
+    scale = setup.dp_size / global_tokens
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    for i, (inputs, labels) in enumerate(micro_batches):
+        inputs, labels = inputs.to(device), labels.to(device)
+        with grad_sync_context(model, setup, i == len(micro_batches) - 1):
+            with autocast_context(setup):
+                logits = model(input_ids=inputs, use_cache=False).logits
+            mb_loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
+                                      ignore_index=IGNORE_INDEX, reduction="sum")
+            try:
+                (mb_loss * scale).backward()
+            except RuntimeError as err:
+                raise _ddp_hint(err) from err
+        loss_sum += mb_loss.detach().to(torch.float64)
+    grad_norm = grad_norm_and_clip(model, max_grad_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    loss = float(_all_reduce_sum(loss_sum, group).item()) / global_tokens
+    return loss, grad_norm, global_tokens

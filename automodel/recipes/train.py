@@ -1,0 +1,144 @@
+"""The training runner, executed on every rank with the same resolved ``TrainConfig``.
+
+build model -> parallelize -> optimizer, scheduler -> data plan -> loop -> metrics
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import resource
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from automodel.config.resolve import TrainConfig
+from automodel.data.batches import BatchPlan
+from automodel.data.sources import token_sequences
+from automodel.distributed.init import DistInfo, destroy_distributed, init_distributed
+from automodel.distributed.mesh import build_mesh
+from automodel.distributed.patches import patch_is_packed_sequence
+from automodel.distributed.setup import DistributedSetup
+from automodel.models.builder import build_model
+from automodel.optim import build_optimizer, build_scheduler
+from automodel.parallelize import parallelize
+from automodel.recipes.step import train_step
+from automodel.tracking.metrics import MetricsWriter
+
+log = logging.getLogger("automodel")
+
+
+def _setup_logging(output_dir: str, info: DistInfo) -> None:
+    root = logging.getLogger()
+    if info.is_main:
+        if not any(isinstance(h, logging.FileHandler) for h in root.handlers):
+            os.makedirs(output_dir, exist_ok=True)
+            fh = logging.FileHandler(os.path.join(output_dir, "train.log"))
+            fh.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
+            root.addHandler(fh)
+        if not any(type(h) is logging.StreamHandler for h in root.handlers):
+            root.addHandler(logging.StreamHandler())
+        root.setLevel(logging.INFO)
+    else:  # other ranks stay quiet unless something fails
+        root.setLevel(logging.ERROR)
+        warnings.filterwarnings("ignore")
+
+
+def _agree_output_dir(output_dir: str, info: DistInfo) -> str:
+    """Under torchrun every rank composed its own config: rank 0's output dir wins."""
+    if dist.is_initialized() and info.world_size > 1:
+        box = [output_dir]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+    return output_dir
+
+
+def _peak_memory_bytes(info: DistInfo) -> int:
+    if info.device.type == "cuda":
+        value = torch.cuda.max_memory_allocated(info.device)
+    else:  # Linux reports the peak resident set in KiB
+        value = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    if dist.is_initialized():
+        t = torch.tensor([value], dtype=torch.float64, device=info.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        value = int(t.item())
+    return int(value)
+
+
+def build_setup(cfg: TrainConfig, info: DistInfo) -> DistributedSetup:
+    mesh = None
+    if dist.is_initialized():
+        m = cfg.mesh
+        mesh = build_mesh(info.device.type, info.backend, cfg.distributed.timeout_minutes,
+                          pp=m.pp_size, dp_replicate=m.dp_replicate_size,
+                          dp_shard=m.dp_size // m.dp_replicate_size, cp=m.cp_size, tp=m.tp_size)
+    return DistributedSetup(
+        strategy=cfg.strategy, options=cfg.parallelism, dist=info, mesh=mesh,
+        activation_checkpointing=cfg.activation_checkpointing,
+        activation_checkpointing_scope=cfg.activation_checkpointing_scope,
+        mp_policy=cfg.mp_policy, offload_policy=cfg.offload_policy, pipeline=cfg.pipeline)
+
+
+def train(cfg: TrainConfig, info: DistInfo) -> list[dict]:
+    output_dir = _agree_output_dir(cfg.output_dir, info)
+    _setup_logging(output_dir, info)
+    setup = build_setup(cfg, info)
+    if getattr(cfg.parallelism, "patch_is_packed_sequence", False):
+        patch_is_packed_sequence()
+    model = build_model(cfg.model, cfg.trainer.seed).to(info.device)
+    vocab = model.config.vocab_size
+    n_params = sum(p.numel() for p in model.parameters())
+    [model] = parallelize(model, setup)
+    optimizer = build_optimizer(model.parameters(), cfg.optim)
+    scheduler = build_scheduler(optimizer, cfg.optim, cfg.trainer.max_steps)
+    t = cfg.trainer
+    plan = BatchPlan(token_sequences(cfg.data_source, cfg.data, t.seq_len, vocab),
+                     t.global_batch_size, t.seed)
+    log.info("automodel: %s on %d rank(s) (dp=%d), %s with %.2fM parameters, %d steps of %d x %d "
+             "tokens, %d micro-batch(es) per rank per step; output in %s", cfg.strategy,
+             info.world_size, setup.dp_size, type(model).__name__, n_params / 1e6, t.max_steps,
+             t.global_batch_size, t.seq_len, cfg.grad_accum_steps, output_dir)
+    metrics = MetricsWriter(output_dir, info.is_main)
+    records: list[dict] = []
+    window_tokens, window_start = 0, time.perf_counter()
+    try:
+        for step in range(t.max_steps):
+            lr = scheduler.get_last_lr()[0]
+            micro = plan.micro_batches(step, setup.dp_rank, setup.dp_size, t.local_batch_size)
+            loss, grad_norm, tokens = train_step(model, setup, micro, optimizer,
+                                                 cfg.optim.max_grad_norm)
+            scheduler.step()
+            window_tokens += tokens
+            number = step + 1
+            if number % t.log_every == 0 or number == 1 or number == t.max_steps:
+                elapsed = time.perf_counter() - window_start
+                record = {"step": number, "loss": loss, "grad_norm": grad_norm, "lr": lr,
+                          "tokens_per_second": window_tokens / max(elapsed, 1e-9),
+                          "peak_memory_bytes": _peak_memory_bytes(info)}
+                records.append(record)
+                metrics.write(record)
+                log.info("step %d/%d  loss %.4f  grad_norm %.3f  lr %.2e  %.0f tok/s  peak %.0f MiB",
+                         number, t.max_steps, loss, grad_norm, lr, record["tokens_per_second"],
+                         record["peak_memory_bytes"] / 2**20)
+                window_tokens, window_start = 0, time.perf_counter()
+    finally:
+        metrics.close()
+    return records
+
+
+def run_rank(cfg: TrainConfig) -> list[dict] | None:
+    """Entry point of one rank (local spawn, torchrun or in-process). Rank 0 returns records."""
+    threads = os.environ.get("AUTOMODEL_NUM_THREADS")
+    if threads:
+        torch.set_num_threads(int(threads))
+    info = init_distributed(cfg.distributed.backend, cfg.distributed.timeout_minutes,
+                            need_group=cfg.strategy != "none")
+    try:
+        records = train(cfg, info)
+        if dist.is_initialized():
+            dist.barrier()
+        return records if info.is_main else None
+    finally:
+        destroy_distributed()
