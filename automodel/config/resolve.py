@@ -102,7 +102,10 @@ def resolve(cfg, env: Optional[Mapping[str, str]] = None, output_dir: str = ".",
     par_cls = _schema_of(cfg.parallelism, STRATEGIES, "parallelism")
     strategy = STRATEGIES[par_cls]
     par = build(par_cls, plain["parallelism"], "parallelism")
-    pipeline_chosen = bool(plain.get("pipeline"))
+    pipeline_chosen = OmegaConf.get_type(cfg.pipeline) is s.PipelineConfig
+    if not pipeline_chosen and plain.get("pipeline"):
+        raise ConfigError(f"pipeline.{next(iter(plain['pipeline']))} is set but no pipeline "
+                          "schedule is chosen: add pipeline=1f1b (or another file of conf/pipeline/)")
     pipeline = build(s.PipelineConfig, plain["pipeline"], "pipeline") if pipeline_chosen else None
     data_cls = _schema_of(cfg.data, DATA_SOURCES, "data")
 
@@ -253,10 +256,6 @@ def _resolve_trainer(t: s.TrainerConfig, mesh: s.MeshConfig) -> s.TrainerConfig:
 def _check_strategy(strategy: str, par, mesh: s.MeshConfig):
     ac = par.activation_checkpointing
     if strategy == "megatron_fsdp":
-        if not isinstance(ac, bool):
-            raise ConfigError(f"parallelism.activation_checkpointing={ac!r}: megatron_fsdp takes "
-                              "true or false (it checkpoints MLP layers); 'full'/'selective' are "
-                              "for ddp and fsdp2")
         mode, scope = ("full" if ac else "none"), ["all"]
         z = par.zero_dp_strategy
         if z not in MEGATRON_ZERO_STRATEGIES and z not in MEGATRON_ZERO_STRATEGIES.values():
@@ -308,6 +307,9 @@ def _check_ac_scope(scope) -> List[str]:
 
 
 def _check_pipeline(p: s.PipelineConfig, mesh: s.MeshConfig, trainer: s.TrainerConfig) -> None:
+    if p.pp_schedule_csv is None and p.pp_schedule == "csv":
+        raise ConfigError("pipeline=csv needs the schedule file: "
+                          "pipeline.pp_schedule_csv=/path/to/schedule.csv")
     if p.pp_schedule_csv is None:
         name = p.pp_schedule.lower()
         if name not in PP_SCHEDULES and name not in TORCH_PP_SCHEDULES:

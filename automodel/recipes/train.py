@@ -30,20 +30,26 @@ from automodel.tracking.metrics import MetricsWriter
 log = logging.getLogger("automodel")
 
 
-def _setup_logging(output_dir: str, info: DistInfo) -> None:
+def _setup_logging(output_dir: str, info: DistInfo) -> list[logging.Handler]:
+    """Rank 0 logs to the console and ``train.log``; returns the handlers it added."""
     root = logging.getLogger()
+    added: list[logging.Handler] = []
     if info.is_main:
-        if not any(isinstance(h, logging.FileHandler) for h in root.handlers):
+        log_file = os.path.abspath(os.path.join(output_dir, "train.log"))
+        if not any(getattr(h, "baseFilename", None) == log_file for h in root.handlers):
             os.makedirs(output_dir, exist_ok=True)
-            fh = logging.FileHandler(os.path.join(output_dir, "train.log"))
+            fh = logging.FileHandler(log_file)
             fh.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
-            root.addHandler(fh)
+            added.append(fh)
         if not any(type(h) is logging.StreamHandler for h in root.handlers):
-            root.addHandler(logging.StreamHandler())
+            added.append(logging.StreamHandler())
+        for h in added:
+            root.addHandler(h)
         root.setLevel(logging.INFO)
     else:  # other ranks stay quiet unless something fails
         root.setLevel(logging.ERROR)
         warnings.filterwarnings("ignore")
+    return added
 
 
 def _agree_output_dir(output_dir: str, info: DistInfo) -> str:
@@ -83,7 +89,16 @@ def build_setup(cfg: TrainConfig, info: DistInfo) -> DistributedSetup:
 
 def train(cfg: TrainConfig, info: DistInfo) -> list[dict]:
     output_dir = _agree_output_dir(cfg.output_dir, info)
-    _setup_logging(output_dir, info)
+    handlers = _setup_logging(output_dir, info)
+    try:
+        return _train(cfg, info, output_dir)
+    finally:
+        for h in handlers:
+            logging.getLogger().removeHandler(h)
+            h.close()
+
+
+def _train(cfg: TrainConfig, info: DistInfo, output_dir: str) -> list[dict]:
     setup = build_setup(cfg, info)
     if getattr(cfg.parallelism, "patch_is_packed_sequence", False):
         patch_is_packed_sequence()

@@ -1,0 +1,214 @@
+"""How much does automodel cost over a hand-written PyTorch loop?
+
+For each layout (DDP and FSDP2, 2 ranks each) this trains the same model on the same token
+sequences twice in one invocation: once through ``automodel.api.run`` and once through the
+minimal loop in ``baseline_rank`` below. It prints the median step time and the peak memory
+of both, their ratios (automodel / baseline) and both final losses as a sanity check.
+
+    python benchmarks/compare_baseline.py [--steps 30] [--hidden 128] [--json out.json]
+
+Every number the baseline uses (model config, optimizer settings, seed, data) is read from
+automodel's own resolved config, so the two sides cannot drift apart. The learning rate is
+held constant (no warmup, no decay) so the baseline needs no scheduler.
+"""
+
+from __future__ import annotations
+
+# Only cheap imports at module level: the spawned ranks of both sides re-import this file,
+# and anything imported here would count towards both sides' peak memory.
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+
+NPROC = 2
+# The per-layout overrides. FSDP2 is forced to fp32 (automodel's default is bf16 params)
+# so that it does the same arithmetic as the fp32 baseline.
+LAYOUTS = {
+    "ddp": ["parallelism=ddp"],
+    "fsdp2": ["parallelism=fsdp2",
+              "parallelism.mp_policy={_target_:torch.distributed.fsdp.MixedPrecisionPolicy,"
+              "param_dtype:float32,reduce_dtype:float32}"],
+}
+
+
+def build_overrides(layout: str, args) -> list[str]:
+    """Hydra overrides shared by both sides, plus the layout's own."""
+    return LAYOUTS[layout] + [
+        "data=synthetic", f"data.num_sequences={max(args.batch * args.steps, 256)}",
+        f"trainer.max_steps={args.steps}", f"trainer.global_batch_size={args.batch}",
+        f"trainer.seq_len={args.seq_len}", "trainer.log_every=1",
+        "optim.warmup_steps=0", "optim.min_lr_ratio=1.0",  # constant learning rate
+        f"model.config.hidden_size={args.hidden}",
+        f"model.config.intermediate_size={args.hidden * 11 // 4}",  # llama_tiny's ratio
+        f"model.config.num_hidden_layers={args.layers}",
+        f"distributed.nproc_per_node={NPROC}",
+    ] + list(args.override)
+
+
+def baseline_spec(layout: str, cfg, threads: int) -> dict:
+    """Plain values (and the token tensor) the baseline ranks need, taken from ``cfg``."""
+    from automodel.data.sources import token_sequences
+
+    t, o = cfg.trainer, cfg.optim
+    sequences = token_sequences(cfg.data_source, cfg.data, t.seq_len,
+                                cfg.model.config["vocab_size"])
+    return {"layout": layout, "threads": threads, "model_config": dict(cfg.model.config),
+            "seed": t.seed, "steps": t.max_steps, "batch": t.global_batch_size,
+            "lr": o.lr, "betas": tuple(o.betas), "eps": o.eps, "weight_decay": o.weight_decay,
+            "max_grad_norm": o.max_grad_norm, "sequences": sequences}
+
+
+def baseline_rank(spec: dict) -> dict | None:
+    """The hand-written training loop, run on every rank. Rank 0 returns its measurements."""
+    import math
+    import resource
+    import time
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from automodel.data.batches import BatchPlan
+
+    torch.set_num_threads(spec["threads"])
+    dist.init_process_group("gloo")  # rank, world size and address come from the launcher
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    torch.manual_seed(spec["seed"])  # same seed -> same initial weights as automodel
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**spec["model_config"]))
+    if spec["layout"] == "ddp":
+        model = DistributedDataParallel(model)
+    else:  # FSDP2: one unit per decoder layer, then the root (fp32, torch's defaults)
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=spec["lr"], betas=spec["betas"],
+                            eps=spec["eps"], weight_decay=spec["weight_decay"])
+    max_norm = spec["max_grad_norm"] if spec["max_grad_norm"] is not None else math.inf
+    plan = BatchPlan(spec["sequences"], spec["batch"], spec["seed"])
+
+    step_times = []
+    for step in range(spec["steps"]):
+        start = time.perf_counter()
+        [(inputs, labels)] = plan.micro_batches(step, rank, world, spec["batch"] // world)
+        logits = model(input_ids=inputs, use_cache=False).logits
+        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        loss.backward()  # DDP / FSDP2 average the gradients over the ranks
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step_times.append(time.perf_counter() - start)
+
+    # Outside the timed loop: the last step's loss over all ranks, and the peak RSS.
+    final = loss.detach().to(torch.float64)
+    dist.all_reduce(final)  # gloo has no AVG; every rank has the same token count
+    peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0],
+                        dtype=torch.float64)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    dist.destroy_process_group()
+    if rank != 0:
+        return None
+    return {"step_times": step_times, "final_loss": float(final) / world,
+            "peak_memory_bytes": int(peak.item())}
+
+
+def run_baseline(spec: dict) -> dict:
+    """Start ``NPROC`` baseline ranks the way automodel starts its own (elastic, spawn)."""
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from automodel.launch.local import free_port
+
+    port = free_port()
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=NPROC,
+                          run_id=f"baseline-{os.getpid()}-{port}", rdzv_backend="c10d",
+                          rdzv_endpoint=f"127.0.0.1:{port}", max_restarts=0,
+                          monitor_interval=0.1, start_method="spawn")
+    return elastic_launch(config, baseline_rank)(spec)[0]
+
+
+def compare(layout: str, args, threads: int) -> dict:
+    from automodel.api import load_config, run
+
+    overrides = build_overrides(layout, args)
+    with tempfile.TemporaryDirectory() as out:
+        cfg = load_config(overrides, output_dir=out)
+        tokens_per_step = cfg.trainer.global_batch_size * cfg.trainer.seq_len
+        records = run(overrides, output_dir=out)
+    base = run_baseline(baseline_spec(layout, cfg, threads))
+
+    # automodel logs every step: its step time is the tokens of one step over its tokens/s.
+    auto_times = [tokens_per_step / r["tokens_per_second"] for r in records
+                  if r["step"] > args.warmup]
+    auto = {"step_time_s": statistics.median(auto_times), "final_loss": records[-1]["loss"],
+            "peak_memory_bytes": max(r["peak_memory_bytes"] for r in records)}
+    baseline = {"step_time_s": statistics.median(base["step_times"][args.warmup:]),
+                "final_loss": base["final_loss"],
+                "peak_memory_bytes": base["peak_memory_bytes"]}
+    return {"automodel": auto, "baseline": baseline,
+            "step_time_ratio": auto["step_time_s"] / baseline["step_time_s"],
+            "peak_memory_ratio": auto["peak_memory_bytes"] / baseline["peak_memory_bytes"],
+            "loss_abs_diff": abs(auto["final_loss"] - baseline["final_loss"])}
+
+
+def print_table(results: dict) -> None:
+    mib = 2.0 ** 20
+    head = (f"{'layout':<7} {'step ms auto':>12} {'step ms base':>12} {'time ratio':>10} "
+            f"{'peak MiB auto':>13} {'peak MiB base':>13} {'mem ratio':>9} "
+            f"{'loss auto':>10} {'loss base':>10} {'loss ok':>7}")
+    print(head)
+    print("-" * len(head))
+    for layout, r in results.items():
+        a, b = r["automodel"], r["baseline"]
+        ok = r["loss_abs_diff"] <= 1e-3 * max(1.0, abs(b["final_loss"]))
+        print(f"{layout:<7} {a['step_time_s'] * 1e3:>12.1f} {b['step_time_s'] * 1e3:>12.1f} "
+              f"{r['step_time_ratio']:>10.3f} {a['peak_memory_bytes'] / mib:>13.1f} "
+              f"{b['peak_memory_bytes'] / mib:>13.1f} {r['peak_memory_ratio']:>9.3f} "
+              f"{a['final_loss']:>10.5f} {b['final_loss']:>10.5f} {'yes' if ok else 'NO':>7}")
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layouts", nargs="+", choices=sorted(LAYOUTS), default=["ddp", "fsdp2"])
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=3, help="steps left out of the median")
+    p.add_argument("--batch", type=int, default=16, help="global batch (sequences per step)")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--override", action="append", default=[],
+                   help="extra Hydra override for automodel (repeatable); model/data/optim/"
+                        "trainer values reach the baseline too, parallelism options do not")
+    p.add_argument("--json", metavar="PATH", help="also write the numbers here")
+    args = p.parse_args(argv)
+    if args.steps <= args.warmup:
+        p.error("--steps must be larger than --warmup")
+
+    # One thread count for both sides: what automodel's launcher would choose (or the
+    # caller's OMP_NUM_THREADS), handed to automodel's ranks through its environment.
+    threads = int(os.environ.get("OMP_NUM_THREADS") or max(1, (os.cpu_count() or 1) // NPROC))
+    os.environ["OMP_NUM_THREADS"] = os.environ["AUTOMODEL_NUM_THREADS"] = str(threads)
+
+    import torch
+
+    print(f"torch {torch.__version__}, {NPROC} ranks x {threads} thread(s), layouts: "
+          f"{', '.join(args.layouts)}", flush=True)
+    results = {layout: compare(layout, args, threads) for layout in args.layouts}
+    print(f"\n{args.steps} steps ({args.warmup} warm-up left out of the medians), batch "
+          f"{args.batch} x seq {args.seq_len}, hidden {args.hidden}, {args.layers} layers, "
+          f"torch {torch.__version__}; ratios are automodel / baseline")
+    print_table(results)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"torch": torch.__version__, "nproc": NPROC, "threads": threads,
+                       "args": vars(args), "results": results}, f, indent=2)
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,16 @@
+import os
+
+import pytest
+
+# Tests never reach a network: trackers offline, no hub downloads.
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Keep tests independent of a torchrun/SLURM environment they may be started from.
+for _var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+             "MASTER_PORT", "TORCHELASTIC_RUN_ID", "SLURM_STEP_ID", "SLURM_PROCID"):
+    os.environ.pop(_var, None)
+
+
+@pytest.fixture(autouse=True)
+def _wandb_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb"))
