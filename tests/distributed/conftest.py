@@ -1,0 +1,73 @@
+"""Helpers for multi-process tests: real gloo process groups on CPU."""
+
+import os
+import pickle
+import socket
+import sys
+
+import pytest
+import torch.multiprocessing as mp
+
+from automodel.api import run
+from automodel.tracking.metrics import read_metrics
+
+FP32 = ("parallelism.mp_policy={_target_:torch.distributed.fsdp.MixedPrecisionPolicy,"
+        "param_dtype:float32,reduce_dtype:float32}")
+# Small, but the loss moves a lot in 5 steps, so a wrong gradient cannot hide.
+BASE = ["data=corpus", "data.num_documents=400", "trainer.max_steps=5", "trainer.log_every=1",
+        "trainer.global_batch_size=8", "trainer.seq_len=32", "optim.warmup_steps=0",
+        "optim.lr=0.01"]
+
+
+def train(overrides, output_dir):
+    """Run a job as the CLI would (spawning its ranks); check metrics.jsonl; return records."""
+    records = run(BASE + list(overrides), output_dir=str(output_dir))
+    on_disk = read_metrics(os.path.join(output_dir, "metrics.jsonl"))
+    assert on_disk == records, "metrics.jsonl must hold exactly what rank 0 logged"
+    return records
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory):
+    """The single-process run every layout must match, keyed by extra overrides."""
+    cache = {}
+
+    def get(*extra):
+        if extra not in cache:
+            out = tmp_path_factory.mktemp("reference")
+            cache[extra] = train(["parallelism=none", *extra], out)
+        return cache[extra]
+
+    return get
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world, port, fn, args, result_dir, path):
+    sys.path[:] = path
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        result = fn(rank, world, *args)
+        with open(os.path.join(result_dir, f"{rank}.pkl"), "wb") as f:
+            pickle.dump(result, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_on_ranks(fn, world, *args, tmp_path):
+    """Run top-level ``fn(rank, world, *args)`` on ``world`` gloo ranks; return per-rank results."""
+    mp.spawn(_worker, args=(world, _free_port(), fn, args, str(tmp_path), list(sys.path)),
+             nprocs=world, join=True)
+    out = []
+    for rank in range(world):
+        with open(tmp_path / f"{rank}.pkl", "rb") as f:
+            out.append(pickle.load(f))
+    return out
