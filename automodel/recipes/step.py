@@ -72,15 +72,17 @@ def train_step(model, setup: DistributedSetup, micro_batches, optimizer, max_gra
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     for i, (inputs, labels) in enumerate(micro_batches):
         inputs, labels = inputs.to(device), labels.to(device)
-        with grad_sync_context(model, setup, i == len(micro_batches) - 1):
-            with autocast_context(setup):
-                logits = model(input_ids=inputs, use_cache=False).logits
-            mb_loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
-                                      ignore_index=IGNORE_INDEX, reduction="sum")
-            try:
+        try:
+            with grad_sync_context(model, setup, i == len(micro_batches) - 1):
+                with autocast_context(setup):
+                    logits = model(input_ids=inputs, use_cache=False).logits
+                mb_loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
+                                          ignore_index=IGNORE_INDEX, reduction="sum")
                 (mb_loss * scale).backward()
-            except RuntimeError as err:
+        except RuntimeError as err:
+            if setup.strategy == "ddp":
                 raise _ddp_hint(err) from err
+            raise
         loss_sum += mb_loss.detach().to(torch.float64)
     grad_norm = grad_norm_and_clip(model, max_grad_norm)
     optimizer.step()
