@@ -355,6 +355,14 @@ def _check_data(source: str, data, model: s.ModelConfig) -> None:
         raise ConfigError(f"model.config.vocab_size={vocab}: byte-level data needs >= 256")
     if model.pretrained_path is not None and not os.path.isdir(model.pretrained_path):
         raise ConfigError(f"model.pretrained_path={model.pretrained_path!r}: no such directory")
+    hidden, heads = model.config.get("hidden_size"), model.config.get("num_attention_heads")
+    kv_heads = model.config.get("num_key_value_heads")
+    if isinstance(hidden, int) and isinstance(heads, int) and (heads < 1 or hidden % heads):
+        raise ConfigError(f"model.config.num_attention_heads={heads} must divide "
+                          f"model.config.hidden_size={hidden}")
+    if isinstance(heads, int) and isinstance(kv_heads, int) and (kv_heads < 1 or heads % kv_heads):
+        raise ConfigError(f"model.config.num_key_value_heads={kv_heads} must divide "
+                          f"model.config.num_attention_heads={heads}")
     if model.pretrained_path is None and "model_type" not in model.config:
         raise ConfigError("model.config needs a model_type (e.g. llama, qwen2) when "
                           "model.pretrained_path is null")

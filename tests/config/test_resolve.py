@@ -258,5 +258,8 @@ def test_data_and_model_checks(tmp_path):
     assert "data.paths is empty" in error("data=files")
     assert "data.vocab_size=999" in error("data=synthetic", "data.vocab_size=999")
     assert "byte-level" in error("model.config.vocab_size=100")
+    assert "num_attention_heads=3 must divide model.config.hidden_size=64" in error(
+        "model.config.num_attention_heads=3")
+    assert "num_key_value_heads=3" in error("model.config.num_key_value_heads=3")
     assert "optim.lr=0.0" in error("optim.lr=0")
     assert "distributed.backend='tcp'" in error("distributed.backend=tcp")

@@ -1,0 +1,116 @@
+"""The command line as a user types it, in subprocesses."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+TRAIN = str(ROOT / "train.py")
+QUICK = ["data=synthetic", "data.num_sequences=64", "trainer.max_steps=3", "trainer.log_every=1",
+         "trainer.global_batch_size=8", "trainer.seq_len=16"]
+
+
+def run(args, cwd, env_extra=None, timeout=300, cmd=None):
+    env = dict(os.environ)
+    env.update(env_extra or {})
+    return subprocess.run((cmd or [sys.executable, TRAIN]) + list(args), cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def no_torch_env(tmp_path):
+    """PYTHONPATH with a 'torch' that fails on import: proves a command never imports torch."""
+    fake = tmp_path / "fake_torch" / "torch"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError('torch must not be imported here')\n")
+    return {"PYTHONPATH": f"{fake.parent}{os.pathsep}{ROOT}"}
+
+
+def metrics_files(root: Path):
+    return sorted(root.rglob("metrics.jsonl"))
+
+
+def losses(path: Path):
+    return [json.loads(line)["loss"] for line in path.read_text().splitlines()]
+
+
+def test_cfg_job_prints_the_composed_config_without_torch(tmp_path):
+    out = run(["--cfg", "job", "parallelism=fsdp2", "pipeline=interleaved"], tmp_path,
+              no_torch_env(tmp_path))
+    assert out.returncode == 0, out.stderr
+    assert "pp_schedule: interleaved_1f1b" in out.stdout
+    assert "enable_fsdp2_prefetch: true" in out.stdout
+    assert not (tmp_path / "outputs").exists() or not metrics_files(tmp_path)
+
+
+def test_typo_fails_before_torch_with_a_suggestion(tmp_path):
+    out = run(["parallelism=ddp", "parallelism.bucket_cap=25"], tmp_path, no_torch_env(tmp_path))
+    assert out.returncode == 2
+    assert "'parallelism.bucket_cap' is not an option of DDPConfig" in out.stderr
+    assert "Did you mean 'parallelism.bucket_cap_mb'" in out.stderr
+    assert "find_unused_parameters" in out.stderr  # what is allowed
+
+
+def test_bad_value_type_fails_at_compose(tmp_path):
+    out = run(["parallelism=ddp", "parallelism.bucket_cap_mb=lots"], tmp_path,
+              no_torch_env(tmp_path))
+    assert out.returncode != 0
+    assert "parallelism.bucket_cap_mb" in out.stderr and "'lots'" in out.stderr
+
+
+def test_unknown_group_option_lists_the_choices(tmp_path):
+    out = run(["parallelism=fsdq"], tmp_path, no_torch_env(tmp_path))
+    assert out.returncode != 0
+    assert "Could not find 'parallelism/fsdq'" in out.stderr and "hsdp" in out.stderr
+
+
+def test_bad_size_product_fails_before_any_process(tmp_path):
+    out = run(["parallelism=fsdp2", "mesh.dp_size=3", "distributed.nproc_per_node=2"], tmp_path,
+              no_torch_env(tmp_path))
+    assert out.returncode == 2
+    assert "distributed.nproc_per_node=2" in out.stderr and "mesh.dp_size" in out.stderr
+
+
+def test_not_yet_available_layout_is_refused_early(tmp_path):
+    out = run(["parallelism=fsdp2", "mesh.tp_size=2"], tmp_path, no_torch_env(tmp_path))
+    assert out.returncode == 2 and "mesh.tp_size=2" in out.stderr
+
+
+def test_a_failing_rank_fails_the_job_and_is_named(tmp_path):
+    # An activation name transformers does not know: the model constructor raises on the ranks.
+    out = run(["parallelism=ddp", "+model.config.hidden_act=no_such_act"] + QUICK, tmp_path)
+    assert out.returncode == 1
+    assert "automodel: job failed" in out.stderr and "rank 0 failed" in out.stderr
+    assert "no_such_act" in out.stderr
+
+
+def test_local_launch_and_torchrun_agree_with_one_output_dir_each(tmp_path):
+    (tmp_path / "local").mkdir()
+    (tmp_path / "torchrun").mkdir()
+    local = run(["parallelism=ddp"] + QUICK, tmp_path / "local")
+    torchrun = run(["--nproc_per_node", "2", TRAIN, "parallelism=ddp"] + QUICK,
+                   tmp_path / "torchrun",
+                   cmd=[sys.executable, "-m", "torch.distributed.run"])
+    assert local.returncode == 0, local.stderr
+    assert torchrun.returncode == 0, torchrun.stderr
+    [local_metrics] = metrics_files(tmp_path / "local")
+    [torchrun_metrics] = metrics_files(tmp_path / "torchrun")  # rank 1 wrote no directory
+    assert len([p for p in (tmp_path / "torchrun" / "outputs").rglob("*") if p.is_dir()
+                and p.name != ".hydra" and p.parent.name != "outputs"]) == 1
+    np.testing.assert_allclose(losses(torchrun_metrics), losses(local_metrics), rtol=1e-6)
+    assert (local_metrics.parent / ".hydra" / "config.yaml").exists()
+    assert (local_metrics.parent / "train.log").read_text().count("step 3/3") == 1
+
+
+def test_readme_main_job_learns(tmp_path):
+    # The README's first command, minus the setup step (the test runs inside the venv).
+    out = run([], tmp_path, timeout=600)
+    assert out.returncode == 0, out.stderr
+    [metrics] = metrics_files(tmp_path)
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert records[0]["loss"] > 5.0 and records[-1]["loss"] < 1.0
+    for key in ("step", "loss", "grad_norm", "lr", "tokens_per_second", "peak_memory_bytes"):
+        assert key in records[-1]
