@@ -2,6 +2,8 @@ import os
 
 import pytest
 
+from tests.helpers import train
+
 # Tests never reach a network: trackers offline, no hub downloads.
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -14,3 +16,17 @@ for _var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADD
 @pytest.fixture(autouse=True)
 def _wandb_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb"))
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory):
+    """The single-process run every layout must match, keyed by extra overrides."""
+    cache = {}
+
+    def get(*extra):
+        if extra not in cache:
+            out = tmp_path_factory.mktemp("reference")
+            cache[extra] = train(["parallelism=none", *extra], out)
+        return cache[extra]
+
+    return get

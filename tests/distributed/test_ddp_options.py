@@ -12,7 +12,7 @@ from automodel.distributed.init import DistInfo
 from automodel.distributed.mesh import MeshAxis, build_mesh
 from automodel.distributed.setup import DistributedSetup
 from automodel.recipes.step import train_step
-from tests.distributed.conftest import run_on_ranks
+from tests.helpers import run_on_ranks
 
 
 @dataclass

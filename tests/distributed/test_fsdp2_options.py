@@ -8,7 +8,7 @@ from automodel.distributed.fsdp2 import apply_fsdp2
 from automodel.distributed.mesh import MeshAxis, build_mesh
 from automodel.models.builder import build_model
 from automodel.models.parts import block_fqns
-from tests.distributed.conftest import run_on_ranks
+from tests.helpers import run_on_ranks
 
 TINY = ModelConfig(config={"model_type": "llama", "vocab_size": 64, "hidden_size": 32,
                            "intermediate_size": 64, "num_hidden_layers": 4,

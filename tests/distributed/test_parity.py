@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from tests.distributed.conftest import FP32, train
+from tests.helpers import FP32, train
 
 
 def assert_matches(records, ref, rtol=1e-5, grad_rtol=1e-4):

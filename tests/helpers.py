@@ -1,11 +1,10 @@
-"""Helpers for multi-process tests: real gloo process groups on CPU."""
+"""Shared test helpers: run jobs as the CLI would, run functions on real gloo ranks."""
 
 import os
 import pickle
 import socket
 import sys
 
-import pytest
 import torch.multiprocessing as mp
 
 from automodel.api import run
@@ -14,31 +13,17 @@ from automodel.tracking.metrics import read_metrics
 FP32 = ("parallelism.mp_policy={_target_:torch.distributed.fsdp.MixedPrecisionPolicy,"
         "param_dtype:float32,reduce_dtype:float32}")
 # Small, but the loss moves a lot in 5 steps, so a wrong gradient cannot hide.
-BASE = ["data=corpus", "data.num_documents=400", "trainer.max_steps=5", "trainer.log_every=1",
-        "trainer.global_batch_size=8", "trainer.seq_len=32", "optim.warmup_steps=0",
-        "optim.lr=0.01"]
+TRAINER = ["trainer.max_steps=5", "trainer.log_every=1", "trainer.global_batch_size=8",
+           "trainer.seq_len=32", "optim.warmup_steps=0", "optim.lr=0.01"]
+BASE = ["data=corpus", "data.num_documents=400"] + TRAINER
 
 
-def train(overrides, output_dir):
+def train(overrides, output_dir, base=BASE):
     """Run a job as the CLI would (spawning its ranks); check metrics.jsonl; return records."""
-    records = run(BASE + list(overrides), output_dir=str(output_dir))
+    records = run(base + list(overrides), output_dir=str(output_dir))
     on_disk = read_metrics(os.path.join(output_dir, "metrics.jsonl"))
     assert on_disk == records, "metrics.jsonl must hold exactly what rank 0 logged"
     return records
-
-
-@pytest.fixture(scope="session")
-def reference(tmp_path_factory):
-    """The single-process run every layout must match, keyed by extra overrides."""
-    cache = {}
-
-    def get(*extra):
-        if extra not in cache:
-            out = tmp_path_factory.mktemp("reference")
-            cache[extra] = train(["parallelism=none", *extra], out)
-        return cache[extra]
-
-    return get
 
 
 def _free_port():

@@ -1,0 +1,83 @@
+"""Model building, block discovery, and the techniques applied in parallelize()."""
+
+import pytest
+import torch
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+from automodel.config.schema import ModelConfig, SingleProcessConfig
+from automodel.distributed.compile import apply_compile
+from automodel.distributed.init import DistInfo
+from automodel.distributed.patches import is_packed_sequence_patched, patch_is_packed_sequence
+from automodel.distributed.setup import DistributedSetup
+from automodel.models.builder import build_model
+from automodel.models.parts import block_fqns, layer_groups, select_blocks
+from automodel.parallelize import parallelize
+from tests.helpers import train
+
+CONFIG = {"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 176,
+          "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+          "max_position_embeddings": 256, "rms_norm_eps": 1.0e-5, "tie_word_embeddings": False}
+
+
+def _setup(**kwargs):
+    info = DistInfo("gloo", torch.device("cpu"), 0, 1, 0)
+    return DistributedSetup("none", SingleProcessConfig(), info, None, **kwargs)
+
+
+def test_blocks_groups_and_cache_off():
+    model = build_model(ModelConfig(config=CONFIG), seed=0)
+    assert model.config.use_cache is False
+    assert block_fqns(model) == [f"model.layers.{i}" for i in range(4)]
+    assert layer_groups(model) == {"language": block_fqns(model)}
+    with pytest.raises(ValueError, match="no vision layers"):
+        select_blocks(model, ["vision"])
+    model.model.layers[0].requires_grad_(False)
+    assert select_blocks(model, ["language"]) == [f"model.layers.{i}" for i in (1, 2, 3)]
+    assert select_blocks(model, ["all"]) == block_fqns(model)
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_parallelize_wraps_blocks_and_keeps_parameter_names(mode):
+    model = build_model(ModelConfig(config=CONFIG), seed=0)
+    names = list(model.state_dict())
+    expected = model(input_ids=torch.arange(8)[None]).logits
+    [model] = parallelize(model, _setup(activation_checkpointing=mode))
+    assert all(isinstance(model.model.layers[i], CheckpointWrapper) for i in range(4))
+    assert list(model.state_dict()) == names
+    got = model(input_ids=torch.arange(8)[None]).logits
+    torch.testing.assert_close(got, expected)
+
+
+def test_compile_keeps_state_dict_keys():
+    model = build_model(ModelConfig(config=CONFIG), seed=0)
+    names = list(model.state_dict())
+    apply_compile(model, block_fqns(model))
+    assert list(model.state_dict()) == names
+    assert not any("_orig_mod" in n for n in model.state_dict())
+
+
+def test_patch_is_packed_sequence():
+    from transformers import modeling_flash_attention_utils as fa
+
+    packed = torch.tensor([[0, 1, 2, 0, 1, 2]])
+    original = fa._is_packed_sequence
+    try:
+        assert bool(fa._is_packed_sequence(packed, 1)) is True
+        patch_is_packed_sequence()
+        assert is_packed_sequence_patched() and fa._is_packed_sequence(packed, 1) is False
+    finally:
+        fa._is_packed_sequence = original
+
+
+def test_pretrained_path_loads_the_saved_weights(tmp_path, reference):
+    # Save the weights a from-config run starts from (trainer.seed), then train from disk.
+    build_model(ModelConfig(config=CONFIG), seed=1234).save_pretrained(tmp_path / "ckpt")
+    records = train(["parallelism=ddp", f"model.pretrained_path={tmp_path}/ckpt"],
+                    tmp_path / "run")
+    ref = reference()
+    torch.testing.assert_close([r["loss"] for r in records], [r["loss"] for r in ref],
+                               rtol=1e-5, atol=0)
+    other = tmp_path / "other"
+    build_model(ModelConfig(config=CONFIG), seed=7).save_pretrained(other)
+    different = train(["parallelism=none", f"model.pretrained_path={other}"], tmp_path / "run2")
+    assert abs(different[0]["loss"] - ref[0]["loss"]) > 1e-4
