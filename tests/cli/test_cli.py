@@ -114,3 +114,16 @@ def test_readme_main_job_learns(tmp_path):
     assert records[0]["loss"] > 5.0 and records[-1]["loss"] < 1.0
     for key in ("step", "loss", "grad_norm", "lr", "tokens_per_second", "peak_memory_bytes"):
         assert key in records[-1]
+
+
+def test_local_launcher_reruns_a_saved_run(tmp_path):
+    first = run(["parallelism=fsdp2"] + QUICK, tmp_path)
+    assert first.returncode == 0, first.stderr
+    [metrics] = metrics_files(tmp_path)
+    again = run(["--rerun", str(metrics.parent), "--output-dir", str(tmp_path / "again")],
+                ROOT, cmd=[sys.executable, "-m", "launchers.local"])
+    assert again.returncode == 0, again.stderr
+    assert losses(tmp_path / "again" / "metrics.jsonl") == losses(metrics)
+    bad = run(["parallelism=ddp", "mesh.tp_size=2"], ROOT, cmd=[sys.executable, "-m",
+                                                              "launchers.local"])
+    assert bad.returncode == 2 and "mesh.tp_size=2" in bad.stderr
