@@ -38,30 +38,30 @@ class MeshConfig:
 
 # --------------------------------------------------------------------------- strategies
 @dataclass
-class SingleProcessConfig:
-    """``parallelism=none``: one process, no wrapping. The reference for loss parity."""
+class CommonOptions:
+    """Options every strategy except Megatron-FSDP shares."""
 
     activation_checkpointing: Any = False  # bool | "full" | "selective"
     activation_checkpointing_scope: Any = "all"  # "all" | list of language/vision/audio/multimodal
-    autocast_dtype: Optional[str] = None
-    enable_compile: bool = False
+    autocast_dtype: Optional[str] = None  # e.g. bfloat16: forward under torch.autocast
+    enable_compile: bool = False  # per-layer torch.compile of decoder layers
     patch_is_packed_sequence: bool = False
 
 
 @dataclass
-class DDPConfig:
+class SingleProcessConfig(CommonOptions):
+    """``parallelism=none``: one process, no wrapping. The reference for loss parity."""
+
+
+@dataclass
+class DDPConfig(CommonOptions):
     """``parallelism=ddp``: torch DistributedDataParallel over the data-parallel axis."""
 
-    activation_checkpointing: Any = False
-    activation_checkpointing_scope: Any = "all"
-    autocast_dtype: Optional[str] = None
     broadcast_buffers: bool = False
     bucket_cap_mb: Optional[float] = None  # null = PyTorch's default
     find_unused_parameters: bool = False
     gradient_as_bucket_view: bool = False
     static_graph: bool = False
-    enable_compile: bool = False
-    patch_is_packed_sequence: bool = False
 
 
 @dataclass
@@ -71,16 +71,12 @@ class MultimodalConfig:
 
 
 @dataclass
-class FSDP2Config:
+class FSDP2Config(CommonOptions):
     """``parallelism=fsdp2`` (HSDP when ``mesh.dp_replicate_size`` > 1)."""
 
-    activation_checkpointing: Any = False
-    activation_checkpointing_scope: Any = "all"
-    autocast_dtype: Optional[str] = None
     sequence_parallel: bool = False
     tp_plan: Any = None  # null | dict pattern -> style | import path
     enable_async_tensor_parallel: bool = False
-    enable_compile: bool = False
     enable_fsdp2_prefetch: bool = True
     fsdp2_forward_prefetch_depth: int = 1
     fsdp2_backward_prefetch_depth: int = 2
@@ -88,7 +84,6 @@ class FSDP2Config:
     defer_fsdp_grad_sync: bool = True
     mp_policy: Any = None  # {_target_: torch.distributed.fsdp.MixedPrecisionPolicy, ...} | null
     offload_policy: Any = None  # {_target_: torch.distributed.fsdp.CPUOffloadPolicy, ...} | null
-    patch_is_packed_sequence: bool = False
     multimodal: MultimodalConfig = field(default_factory=MultimodalConfig)
 
 
