@@ -62,7 +62,23 @@ def baseline_spec(layout: str, cfg, threads: int) -> dict:
 
 
 def baseline_rank(spec: dict) -> dict | None:
-    """The hand-written training loop, run on every rank. Rank 0 returns its measurements."""
+    """Entry point of one baseline rank. Rank 0 returns its measurements."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(spec["threads"])
+    dist.init_process_group("gloo")  # rank, world size and address come from the launcher
+    try:
+        # The model lives only inside baseline_loop: a DDP model still alive when the
+        # process group is destroyed hangs the rank at exit (in the gloo destructor).
+        result = baseline_loop(spec, dist.get_rank(), dist.get_world_size())
+    finally:
+        dist.destroy_process_group()
+    return result
+
+
+def baseline_loop(spec: dict, rank: int, world: int) -> dict | None:
+    """The hand-written training loop."""
     import math
     import resource
     import time
@@ -75,10 +91,6 @@ def baseline_rank(spec: dict) -> dict | None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from automodel.data.batches import BatchPlan
-
-    torch.set_num_threads(spec["threads"])
-    dist.init_process_group("gloo")  # rank, world size and address come from the launcher
-    rank, world = dist.get_rank(), dist.get_world_size()
 
     torch.manual_seed(spec["seed"])  # same seed -> same initial weights as automodel
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**spec["model_config"]))
@@ -111,7 +123,6 @@ def baseline_rank(spec: dict) -> dict | None:
     peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0],
                         dtype=torch.float64)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    dist.destroy_process_group()
     if rank != 0:
         return None
     return {"step_times": step_times, "final_loss": float(final) / world,
@@ -140,6 +151,7 @@ def compare(layout: str, args, threads: int) -> dict:
         cfg = load_config(overrides, output_dir=out)
         tokens_per_step = cfg.trainer.global_batch_size * cfg.trainer.seq_len
         records = run(overrides, output_dir=out)
+    print(f"baseline: {layout} on {NPROC} rank(s), {cfg.trainer.max_steps} steps", flush=True)
     base = run_baseline(baseline_spec(layout, cfg, threads))
 
     # automodel logs every step: its step time is the tokens of one step over its tokens/s.

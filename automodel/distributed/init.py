@@ -38,11 +38,12 @@ def init_distributed(backend: str | None, timeout_minutes: int, need_group: bool
         torch.cuda.set_device(device)
     timeout = datetime.timedelta(minutes=timeout_minutes)
     if not dist.is_initialized() and (world > 1 or need_group):
+        extra = {"device_id": device} if device.type == "cuda" else {}
         if world > 1:
-            dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
+            dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout, **extra)
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
-                                    timeout=timeout)
+                                    timeout=timeout, **extra)
     return DistInfo(backend, device, rank, world, local_rank)
 
 
