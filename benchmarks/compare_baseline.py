@@ -143,7 +143,8 @@ def run_baseline(spec: dict) -> dict:
     return elastic_launch(config, baseline_rank)(spec)[0]
 
 
-def compare(layout: str, args, threads: int) -> dict:
+def measure_once(layout: str, args, threads: int) -> tuple[dict, dict]:
+    """One automodel run and one baseline run: (automodel, baseline) measurements."""
     from automodel.api import load_config, run
 
     overrides = build_overrides(layout, args)
@@ -162,10 +163,24 @@ def compare(layout: str, args, threads: int) -> dict:
     baseline = {"step_time_s": statistics.median(base["step_times"][args.warmup:]),
                 "final_loss": base["final_loss"],
                 "peak_memory_bytes": base["peak_memory_bytes"]}
-    return {"automodel": auto, "baseline": baseline,
-            "step_time_ratio": auto["step_time_s"] / baseline["step_time_s"],
-            "peak_memory_ratio": auto["peak_memory_bytes"] / baseline["peak_memory_bytes"],
-            "loss_abs_diff": abs(auto["final_loss"] - baseline["final_loss"])}
+    return auto, baseline
+
+
+def compare(layout: str, args, threads: int) -> dict:
+    """Alternate the two sides ``--repeats`` times; keep each side's fastest median (the one
+    least disturbed by other work on the machine) and its largest peak."""
+    runs = [measure_once(layout, args, threads) for _ in range(args.repeats)]
+    result = {}
+    for i, side in enumerate(("automodel", "baseline")):
+        medians = [r[i]["step_time_s"] for r in runs]
+        result[side] = {"step_time_s": min(medians), "step_time_s_per_repeat": medians,
+                        "final_loss": runs[-1][i]["final_loss"],
+                        "peak_memory_bytes": max(r[i]["peak_memory_bytes"] for r in runs)}
+    auto, baseline = result["automodel"], result["baseline"]
+    result.update(step_time_ratio=auto["step_time_s"] / baseline["step_time_s"],
+                  peak_memory_ratio=auto["peak_memory_bytes"] / baseline["peak_memory_bytes"],
+                  loss_abs_diff=abs(auto["final_loss"] - baseline["final_loss"]))
+    return result
 
 
 def print_table(results: dict) -> None:
@@ -189,6 +204,8 @@ def main(argv=None) -> None:
     p.add_argument("--layouts", nargs="+", choices=sorted(LAYOUTS), default=["ddp", "fsdp2"])
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=3, help="steps left out of the median")
+    p.add_argument("--repeats", type=int, default=2,
+                   help="runs per side, alternated; the fastest median counts")
     p.add_argument("--batch", type=int, default=16, help="global batch (sequences per step)")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--hidden", type=int, default=128)
@@ -198,8 +215,8 @@ def main(argv=None) -> None:
                         "trainer values reach the baseline too, parallelism options do not")
     p.add_argument("--json", metavar="PATH", help="also write the numbers here")
     args = p.parse_args(argv)
-    if args.steps <= args.warmup:
-        p.error("--steps must be larger than --warmup")
+    if args.steps <= args.warmup or args.repeats < 1:
+        p.error("need --steps > --warmup and --repeats >= 1")
 
     # One thread count for both sides: what automodel's launcher would choose (or the
     # caller's OMP_NUM_THREADS), handed to automodel's ranks through its environment.
@@ -211,7 +228,8 @@ def main(argv=None) -> None:
     print(f"torch {torch.__version__}, {NPROC} ranks x {threads} thread(s), layouts: "
           f"{', '.join(args.layouts)}", flush=True)
     results = {layout: compare(layout, args, threads) for layout in args.layouts}
-    print(f"\n{args.steps} steps ({args.warmup} warm-up left out of the medians), batch "
+    print(f"\n{args.steps} steps ({args.warmup} warm-up left out of the medians), "
+          f"best of {args.repeats} run(s) per side, batch "
           f"{args.batch} x seq {args.seq_len}, hidden {args.hidden}, {args.layers} layers, "
           f"torch {torch.__version__}; ratios are automodel / baseline")
     print_table(results)

@@ -1,0 +1,272 @@
+"""Validation rules that need only numbers and names (no torch, no processes).
+
+Each function checks one section (or a pair of sections that constrain each other) and raises
+``ConfigError`` naming the key, the value and what is allowed. ``resolve.py`` calls them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import List
+
+from automodel.config import schema as s
+from automodel.config.build import ConfigError
+from automodel.launch.env import LaunchEnv
+
+log = logging.getLogger(__name__)
+
+DTYPE_NAMES = ("float32", "bfloat16", "float16", "float64")
+
+AC_SCOPES = ("language", "vision", "audio", "multimodal")
+# Strategies that need more than one data-parallel rank to mean anything (default dp = 2).
+MULTI_RANK_STRATEGIES = ("ddp", "fsdp2", "megatron_fsdp")
+
+PP_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "looped_bfs", "dfs", "v_schedule", "zero_bubble")
+# torch.distributed.pipelining's own class names, accepted case-insensitively.
+TORCH_PP_SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b", "loopedbfs", "interleavedzerobubble",
+                      "zbvzerobubble", "dualpipev")
+
+MEGATRON_ZERO_STRATEGIES = {0: "no_shard", 1: "optim", 2: "optim_grads", 3: "optim_grads_params"}
+
+
+def _positive(path: str, value, minimum: int = 1) -> None:
+    if value is not None and value < minimum:
+        raise ConfigError(f"{path}={value}: must be >= {minimum}")
+
+
+def check_dtype(path: str, value, allow_none: bool = True) -> None:
+    if value is None and allow_none:
+        return
+    if value not in DTYPE_NAMES:
+        raise ConfigError(f"{path}={value!r}: not a dtype name; allowed: {', '.join(DTYPE_NAMES)}"
+                          + (" or null" if allow_none else ""))
+
+
+def check_distributed(d: s.DistributedConfig) -> None:
+    if d.backend is not None and d.backend not in ("gloo", "nccl", "mpi", "ucc", "xccl"):
+        raise ConfigError(f"distributed.backend={d.backend!r}: allowed: gloo, nccl, mpi, ucc, "
+                          "xccl, or null (nccl with CUDA, else gloo)")
+    _positive("distributed.timeout_minutes", d.timeout_minutes)
+    _positive("distributed.nproc_per_node", d.nproc_per_node)
+
+
+def resolve_mesh(strategy: str, m: s.MeshConfig, launch: LaunchEnv, d: s.DistributedConfig,
+                  pipeline_chosen: bool) -> s.MeshConfig:
+    for name in ("dp_size", "dp_replicate_size", "tp_size", "cp_size", "cp_ulysses_size",
+                 "pp_size", "ep_size"):
+        _positive(f"mesh.{name}", getattr(m, name))
+    pp = m.pp_size if m.pp_size is not None else (2 if pipeline_chosen else 1)
+    if pipeline_chosen and pp == 1:
+        raise ConfigError("mesh.pp_size=1 with a pipeline schedule: a pipeline needs "
+                          "mesh.pp_size >= 2, or choose pipeline=none")
+    if not pipeline_chosen and pp > 1:
+        raise ConfigError(f"mesh.pp_size={pp} needs a pipeline schedule: add pipeline=1f1b "
+                          "(or another file of conf/pipeline/)")
+    replicate = m.dp_replicate_size or 1
+    non_dp = m.tp_size * m.cp_size * pp
+    world = launch.world_size
+    if world is not None and d.nproc_per_node is not None and d.nproc_per_node != launch.local_world_size:
+        log.warning("distributed.nproc_per_node=%s ignored: %s started %s processes on this node",
+                    d.nproc_per_node, launch.kind, launch.local_world_size)
+    if world is None:
+        world = d.nproc_per_node
+    if world is None:
+        if m.dp_size is not None:
+            dp = m.dp_size
+        elif replicate > 1:
+            dp = 2 * replicate
+        elif strategy in MULTI_RANK_STRATEGIES and non_dp == 1:
+            dp = 2
+        else:
+            dp = 1
+    else:
+        source = (f"distributed.nproc_per_node={world}" if launch.kind == "local"
+                  else f"the world size {world} set by {launch.kind}")
+        if world % non_dp:
+            raise ConfigError(f"{source} is not divisible by mesh.tp_size * mesh.cp_size * "
+                              f"mesh.pp_size = {m.tp_size}*{m.cp_size}*{pp} = {non_dp}")
+        dp = world // non_dp
+        if m.dp_size is not None and m.dp_size != dp:
+            raise ConfigError(
+                f"mesh sizes multiply to mesh.dp_size*tp*cp*pp = {m.dp_size}*{m.tp_size}*"
+                f"{m.cp_size}*{pp} = {m.dp_size * non_dp}, but {source}; set mesh.dp_size={dp} "
+                "or null (inferred), or change the process count")
+    if strategy == "none" and dp * non_dp > 1:
+        raise ConfigError(f"parallelism=none runs one process but the mesh asks for "
+                          f"{dp * non_dp} ranks (dp={dp}, tp={m.tp_size}, cp={m.cp_size}, "
+                          f"pp={pp}); choose parallelism=ddp or fsdp2")
+    if replicate > 1:
+        if strategy != "fsdp2":
+            raise ConfigError(f"mesh.dp_replicate_size={replicate} is HSDP and needs "
+                              f"parallelism=fsdp2 (or hsdp), not parallelism={strategy}")
+        if dp % replicate:
+            raise ConfigError(f"mesh.dp_replicate_size={replicate} must divide the data-parallel "
+                              f"size dp={dp}")
+    if strategy == "ddp":
+        for name, value in (("tp_size", m.tp_size), ("cp_size", m.cp_size), ("pp_size", pp),
+                            ("ep_size", m.ep_size)):
+            if value > 1:
+                raise ConfigError(f"mesh.{name}={value}: parallelism=ddp only replicates data; "
+                                  "use parallelism=fsdp2 for tensor/context/pipeline/expert "
+                                  "parallelism")
+    if strategy == "megatron_fsdp":
+        for name, value in (("pp_size", pp), ("ep_size", m.ep_size)):
+            if value > 1:
+                raise ConfigError(f"mesh.{name}={value}: parallelism=megatron_fsdp does not "
+                                  "support pipeline or expert parallelism; use parallelism=fsdp2")
+    if m.cp_ulysses_size is not None and m.cp_size % m.cp_ulysses_size:
+        raise ConfigError(f"mesh.cp_ulysses_size={m.cp_ulysses_size} must divide "
+                          f"mesh.cp_size={m.cp_size} (cp = ring x ulysses)")
+    if (dp * m.cp_size * m.tp_size) % m.ep_size:
+        raise ConfigError(f"mesh.ep_size={m.ep_size} must divide dp*cp*tp = "
+                          f"{dp * m.cp_size * m.tp_size} (experts are folded over those ranks)")
+    return dataclasses.replace(m, dp_size=dp, dp_replicate_size=replicate, pp_size=pp)
+
+
+def resolve_trainer(t: s.TrainerConfig, mesh: s.MeshConfig) -> s.TrainerConfig:
+    for name in ("max_steps", "global_batch_size", "local_batch_size", "seq_len", "log_every"):
+        _positive(f"trainer.{name}", getattr(t, name))
+    dp = mesh.dp_size
+    local = t.local_batch_size
+    if local is None:
+        if t.global_batch_size % dp:
+            raise ConfigError(f"trainer.global_batch_size={t.global_batch_size} must be divisible "
+                              f"by the data-parallel size dp={dp}")
+        local = t.global_batch_size // dp
+    if t.global_batch_size % (local * dp):
+        raise ConfigError(
+            f"trainer.global_batch_size={t.global_batch_size} must be divisible by "
+            f"trainer.local_batch_size * dp = {local}*{dp} = {local * dp} (the remainder would "
+            "be silently dropped); change one of them")
+    return dataclasses.replace(t, local_batch_size=local)
+
+
+def check_ac_and_strategy(strategy: str, par, mesh: s.MeshConfig):
+    ac = par.activation_checkpointing
+    if strategy == "megatron_fsdp":
+        mode, scope = ("full" if ac else "none"), ["all"]
+        z = par.zero_dp_strategy
+        if z not in MEGATRON_ZERO_STRATEGIES and z not in MEGATRON_ZERO_STRATEGIES.values():
+            raise ConfigError(f"parallelism.zero_dp_strategy={z!r}: allowed: 0, 1, 2, 3 or "
+                              f"{', '.join(MEGATRON_ZERO_STRATEGIES.values())}")
+        if par.check_for_nan_in_grad:
+            log.warning("parallelism.check_for_nan_in_grad has no effect on megatron-fsdp >= 0.5; "
+                        "use parallelism.report_nan_in_param_grad=true for a NaN check")
+    else:
+        if ac is False or ac is None:
+            mode = "none"
+        elif ac is True or ac == "full":
+            mode = "full"
+        elif ac == "selective":
+            mode = "selective"
+        else:
+            raise ConfigError(f"parallelism.activation_checkpointing={ac!r}: allowed: false, "
+                              "true, 'full', 'selective'")
+        scope = _check_ac_scope(par.activation_checkpointing_scope)
+    check_dtype("parallelism.autocast_dtype", getattr(par, "autocast_dtype", None))
+    if strategy == "fsdp2":
+        if par.enable_async_tensor_parallel and not par.sequence_parallel:
+            log.warning("parallelism.enable_async_tensor_parallel=true requires sequence "
+                        "parallelism: setting parallelism.sequence_parallel=true")
+            par.sequence_parallel = True
+        _positive("parallelism.fsdp2_forward_prefetch_depth", par.fsdp2_forward_prefetch_depth, 0)
+        _positive("parallelism.fsdp2_backward_prefetch_depth", par.fsdp2_backward_prefetch_depth, 0)
+        if par.multimodal.frozen_sharding not in ("root", "per_layer", "replicate"):
+            raise ConfigError(f"parallelism.multimodal.frozen_sharding="
+                              f"{par.multimodal.frozen_sharding!r}: allowed: root, per_layer, "
+                              "replicate")
+    if strategy in ("fsdp2", "megatron_fsdp") and par.sequence_parallel and mesh.tp_size == 1:
+        log.warning("parallelism.sequence_parallel=true has no effect with mesh.tp_size=1")
+    return mode, scope
+
+
+def _check_ac_scope(scope) -> List[str]:
+    if scope == "all":
+        return ["all"]
+    values = [scope] if isinstance(scope, str) else scope
+    if not isinstance(values, list) or not values:
+        raise ConfigError(f"parallelism.activation_checkpointing_scope={scope!r}: allowed: 'all' "
+                          f"or a non-empty list of {', '.join(AC_SCOPES)}")
+    for v in values:
+        if v not in AC_SCOPES:
+            raise ConfigError(f"parallelism.activation_checkpointing_scope contains {v!r}: "
+                              f"allowed: 'all' or a list of {', '.join(AC_SCOPES)}")
+    return list(values)
+
+
+def check_pipeline(p: s.PipelineConfig, mesh: s.MeshConfig, trainer: s.TrainerConfig) -> None:
+    if p.pp_schedule_csv is None and p.pp_schedule == "csv":
+        raise ConfigError("pipeline=csv needs the schedule file: "
+                          "pipeline.pp_schedule_csv=/path/to/schedule.csv")
+    if p.pp_schedule_csv is None:
+        name = p.pp_schedule.lower()
+        if name not in PP_SCHEDULES and name not in TORCH_PP_SCHEDULES:
+            raise ConfigError(f"pipeline.pp_schedule={p.pp_schedule!r} is not a schedule; "
+                              f"allowed: {', '.join(PP_SCHEDULES)} (or torch's names: "
+                              "GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, "
+                              "ZBVZeroBubble, DualPipeV)")
+    elif not os.path.isfile(p.pp_schedule_csv):
+        raise ConfigError(f"pipeline.pp_schedule_csv={p.pp_schedule_csv!r}: no such file")
+    _positive("pipeline.pp_microbatch_size", p.pp_microbatch_size)
+    _positive("pipeline.pp_batch_size", p.pp_batch_size)
+    _positive("pipeline.layers_per_stage", p.layers_per_stage)
+    _positive("pipeline.pp_seq_len", p.pp_seq_len)
+    _positive("pipeline.pp_recv_buffer_pool_slack", p.pp_recv_buffer_pool_slack, 0)
+    check_dtype("pipeline.dtype", p.dtype)
+    if p.round_virtual_stages_to_pp_multiple not in (None, "up", "down"):
+        raise ConfigError(f"pipeline.round_virtual_stages_to_pp_multiple="
+                          f"{p.round_virtual_stages_to_pp_multiple!r}: allowed: up, down, null")
+    batch = p.pp_batch_size if p.pp_batch_size is not None else trainer.local_batch_size
+    if batch % p.pp_microbatch_size:
+        raise ConfigError(f"pipeline batch {batch} (pipeline.pp_batch_size, default "
+                          f"trainer.local_batch_size) must be divisible by "
+                          f"pipeline.pp_microbatch_size={p.pp_microbatch_size}")
+
+
+def check_data(source: str, data, model: s.ModelConfig) -> None:
+    vocab = model.config.get("vocab_size")
+    if source == "files":
+        if not data.paths:
+            raise ConfigError("data.paths is empty: give one or more local .txt/.jsonl files")
+        for p in data.paths:
+            if not os.path.isfile(p):
+                raise ConfigError(f"data.paths contains {p!r}: no such file")
+        if data.tokenizer_path is not None and not os.path.isdir(data.tokenizer_path):
+            raise ConfigError(f"data.tokenizer_path={data.tokenizer_path!r}: no such directory")
+    if source == "synthetic":
+        _positive("data.vocab_size", data.vocab_size, 2)
+        if vocab is not None and data.vocab_size is not None and data.vocab_size > vocab:
+            raise ConfigError(f"data.vocab_size={data.vocab_size} exceeds the model's "
+                              f"model.config.vocab_size={vocab}")
+    byte_level = source == "corpus" or (source == "files" and data.tokenizer_path is None)
+    if byte_level and vocab is not None and vocab < 256 and model.pretrained_path is None:
+        raise ConfigError(f"model.config.vocab_size={vocab}: byte-level data needs >= 256")
+    if model.pretrained_path is not None and not os.path.isdir(model.pretrained_path):
+        raise ConfigError(f"model.pretrained_path={model.pretrained_path!r}: no such directory")
+    hidden, heads = model.config.get("hidden_size"), model.config.get("num_attention_heads")
+    kv_heads = model.config.get("num_key_value_heads")
+    if isinstance(hidden, int) and isinstance(heads, int) and (heads < 1 or hidden % heads):
+        raise ConfigError(f"model.config.num_attention_heads={heads} must divide "
+                          f"model.config.hidden_size={hidden}")
+    if isinstance(heads, int) and isinstance(kv_heads, int) and (kv_heads < 1 or heads % kv_heads):
+        raise ConfigError(f"model.config.num_key_value_heads={kv_heads} must divide "
+                          f"model.config.num_attention_heads={heads}")
+    if model.pretrained_path is None and "model_type" not in model.config:
+        raise ConfigError("model.config needs a model_type (e.g. llama, qwen2) when "
+                          "model.pretrained_path is null")
+
+
+def check_optim(o: s.OptimConfig) -> None:
+    if o.name != "adamw":
+        raise ConfigError(f"optim.name={o.name!r}: allowed: adamw")
+    if o.lr <= 0:
+        raise ConfigError(f"optim.lr={o.lr}: must be > 0")
+    if len(o.betas) != 2:
+        raise ConfigError(f"optim.betas={o.betas}: needs exactly two values")
+    _positive("optim.warmup_steps", o.warmup_steps, 0)
+    if not 0.0 <= o.min_lr_ratio <= 1.0:
+        raise ConfigError(f"optim.min_lr_ratio={o.min_lr_ratio}: must be within [0, 1]")
+    if o.max_grad_norm is not None and o.max_grad_norm <= 0:
+        raise ConfigError(f"optim.max_grad_norm={o.max_grad_norm}: must be > 0 or null")
