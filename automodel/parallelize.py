@@ -5,7 +5,7 @@
         pre_shard_hook -> tensor parallel -> context parallel -> expert parallel
         -> activation checkpointing -> compile -> data parallel (DDP / FSDP2)
 
-Tensor, context and expert parallelism are refused before launch until they land
+Context, expert and pipeline parallelism are refused before launch until they land
 (``automodel.launch.support``); their places in the order are fixed here.
 """
 
@@ -19,7 +19,9 @@ from automodel.distributed.ddp import apply_ddp
 from automodel.distributed.fsdp2 import apply_fsdp2, build_policy
 from automodel.distributed.mesh import MeshAxis
 from automodel.distributed.setup import DistributedSetup
+from automodel.distributed.tensor_parallel import apply_tp
 from automodel.models.parts import block_fqns, replace_module, select_blocks
+from automodel.models.tp_plans import select_tp_plan
 
 
 def parallelize(model: nn.Module, setup: DistributedSetup) -> list[nn.Module]:
@@ -30,6 +32,11 @@ def parallelize(model: nn.Module, setup: DistributedSetup) -> list[nn.Module]:
         if setup.pre_shard_hook is not None:
             setup.pre_shard_hook(part)
         blocks = block_fqns(part)
+        if setup.size(MeshAxis.TP) > 1:
+            opts = setup.options
+            plan, source = select_tp_plan(part, opts.tp_plan)
+            apply_tp(part, setup.mesh[MeshAxis.TP], plan, source, blocks,
+                     opts.sequence_parallel, opts.enable_async_tensor_parallel)
         ac_blocks = select_blocks(part, setup.activation_checkpointing_scope)
         apply_ac(part, ac_blocks, setup.activation_checkpointing, replace_module)
         if getattr(setup.options, "enable_compile", False):

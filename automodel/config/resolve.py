@@ -23,6 +23,7 @@ from automodel.config.validate import (
     check_dtype,
     check_optim,
     check_pipeline,
+    check_tensor_parallel,
     resolve_mesh,
     resolve_trainer,
 )
@@ -127,6 +128,8 @@ def resolve(cfg, env: Optional[Mapping[str, str]] = None, output_dir: str = ".",
         check_pipeline(pipeline, mesh, trainer)
     model = build(s.ModelConfig, plain["model"], "model")
     check_dtype("model.dtype", model.dtype, allow_none=False)
+    if strategy in ("fsdp2", "megatron_fsdp"):
+        check_tensor_parallel(par, mesh, model, trainer)
     data = build(data_cls, plain["data"], "data")
     check_data(DATA_SOURCES[data_cls], data, model)
     optim = build(s.OptimConfig, plain["optim"], "optim")

@@ -28,6 +28,10 @@ PP_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "looped_bfs", "dfs", "v_sch
 TORCH_PP_SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b", "loopedbfs", "interleavedzerobubble",
                       "zbvzerobubble", "dualpipev")
 
+# Tensor-parallel style names a plan may use (Hugging Face's names).
+TP_STYLE_NAMES = ("colwise", "rowwise", "colwise_rep", "rowwise_rep", "embedding_rowwise",
+                  "colwise_gather_output", "sequence_parallel", "replicated_with_grad_allreduce")
+_VOCAB_STYLES = ("embedding_rowwise", "colwise_gather_output", "colwise_rep", "colwise")
 MEGATRON_ZERO_STRATEGIES = {0: "no_shard", 1: "optim", 2: "optim_grads", 3: "optim_grads_params"}
 
 
@@ -255,7 +259,8 @@ def check_data(source: str, data, model: s.ModelConfig) -> None:
                           f"model.config.num_attention_heads={heads}")
     if model.pretrained_path is None and "model_type" not in model.config:
         raise ConfigError("model.config needs a model_type (e.g. llama, qwen2) when "
-                          "model.pretrained_path is null")
+                          "model.pretrained_path is null (model=pretrained needs "
+                          "model.pretrained_path=/local/dir)")
 
 
 def check_optim(o: s.OptimConfig) -> None:
@@ -270,3 +275,59 @@ def check_optim(o: s.OptimConfig) -> None:
         raise ConfigError(f"optim.min_lr_ratio={o.min_lr_ratio}: must be within [0, 1]")
     if o.max_grad_norm is not None and o.max_grad_norm <= 0:
         raise ConfigError(f"optim.max_grad_norm={o.max_grad_norm}: must be > 0 or null")
+
+
+def model_numbers(model: s.ModelConfig) -> dict:
+    """The model's size numbers from model.config, or from config.json of pretrained_path."""
+    numbers = dict(model.config)
+    if model.pretrained_path is not None:
+        path = os.path.join(model.pretrained_path, "config.json")
+        if os.path.isfile(path):
+            import json
+
+            with open(path, encoding="utf-8") as f:
+                numbers = {**json.load(f), **numbers}
+    return numbers
+
+
+def check_tensor_parallel(par, mesh: s.MeshConfig, model: s.ModelConfig,
+                          trainer: s.TrainerConfig) -> None:
+    plan = getattr(par, "tp_plan", None)
+    if plan is not None and not isinstance(plan, (dict, str)):
+        raise ConfigError(f"parallelism.tp_plan={plan!r}: expected null, a mapping of FQN "
+                          "pattern -> style name, or an import path 'package.module.NAME'")
+    if isinstance(plan, str) and ("." not in plan or plan.startswith(".") or plan.endswith(".")):
+        raise ConfigError(f"parallelism.tp_plan={plan!r}: an import path looks like "
+                          "'package.module.NAME' (a dict, or a function returning one)")
+    if isinstance(plan, dict):
+        for pattern, style in plan.items():
+            if style not in TP_STYLE_NAMES:
+                raise ConfigError(f"parallelism.tp_plan: style {style!r} for pattern "
+                                  f"{pattern!r} is not known; allowed: {', '.join(TP_STYLE_NAMES)}")
+    tp = mesh.tp_size
+    if tp == 1:
+        if getattr(par, "enable_async_tensor_parallel", False):
+            log.warning("parallelism.enable_async_tensor_parallel=true has no effect with "
+                        "mesh.tp_size=1")
+        return
+    if getattr(par, "enable_compile", False) and not getattr(par, "sequence_parallel", True):
+        # Measured on torch 2.13: compiled decoder layers with plain (non-sequence-parallel)
+        # TP give wrong gradients; with sequence parallelism they match eager exactly.
+        log.warning("parallelism.enable_compile=true with mesh.tp_size=%d: setting "
+                    "parallelism.sequence_parallel=true (compiled TP layers need it)", tp)
+        par.sequence_parallel = True
+    numbers = model_numbers(model)
+    for key in ("num_attention_heads", "num_key_value_heads"):
+        value = numbers.get(key)
+        if isinstance(value, int) and value % tp:
+            raise ConfigError(f"mesh.tp_size={tp} must divide the model's {key}={value} "
+                              f"(model.config.{key}); choose a tp_size that divides it")
+    vocab = numbers.get("vocab_size")
+    shards_vocab = plan is None or isinstance(plan, str) or any(
+        style in _VOCAB_STYLES for style in plan.values())
+    if isinstance(vocab, int) and shards_vocab and vocab % tp and not isinstance(plan, str):
+        raise ConfigError(f"mesh.tp_size={tp} must divide the model's vocab_size={vocab} "
+                          "(the TP plan shards the embedding and LM head by vocabulary)")
+    if getattr(par, "sequence_parallel", False) and trainer.seq_len % tp:
+        raise ConfigError(f"trainer.seq_len={trainer.seq_len} must be divisible by "
+                          f"mesh.tp_size={tp} with parallelism.sequence_parallel=true")

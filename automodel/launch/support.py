@@ -7,7 +7,6 @@ from automodel.config.resolve import TrainConfig
 from automodel.distributed.megatron_fsdp import UNSUPPORTED_REASON
 
 _NOT_YET = {
-    "tp_size": "tensor parallelism",
     "cp_size": "context parallelism",
     "pp_size": "pipeline parallelism",
     "ep_size": "expert parallelism",

@@ -9,8 +9,6 @@ gradients over the data-parallel ranks.
 from __future__ import annotations
 
 import contextlib
-import math
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -53,12 +51,32 @@ def _ddp_hint(err: RuntimeError) -> RuntimeError:
 
 
 def grad_norm_and_clip(model, max_grad_norm) -> float:
-    params = [p for p in model.parameters() if p.grad is not None]
-    limit = max_grad_norm if max_grad_norm is not None else math.inf
-    norm = torch.nn.utils.clip_grad_norm_(params, limit, foreach=True)
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
-    return float(norm)
+    """Global L2 norm of all gradients, then clip to ``max_grad_norm`` (null: no clipping).
+
+    Gradients may be plain tensors and DTensors on different meshes (FSDP2 shards, TP shards,
+    both): norms are taken per group of like gradients, each made global, then combined.
+    """
+    groups: dict = {}
+    for p in model.parameters():
+        if p.grad is not None:
+            g = p.grad
+            key = (g.device_mesh, g.placements) if isinstance(g, DTensor) else None
+            groups.setdefault(key, []).append(g)
+    partial_norms = []
+    for grads in groups.values():
+        norms = torch._foreach_norm(grads, 2.0)
+        group_norm = torch.linalg.vector_norm(torch.stack(norms), 2.0)
+        if isinstance(group_norm, DTensor):
+            group_norm = group_norm.full_tensor()
+        partial_norms.append(group_norm)
+    if not partial_norms:
+        return 0.0
+    total = torch.linalg.vector_norm(torch.stack(partial_norms), 2.0)
+    if max_grad_norm is not None:
+        coef = torch.clamp(max_grad_norm / (total + 1e-6), max=1.0)
+        for grads in groups.values():
+            torch._foreach_mul_(grads, coef.item())
+    return float(total)
 
 
 def train_step(model, setup: DistributedSetup, micro_batches, optimizer, max_grad_norm):
@@ -72,10 +90,13 @@ def train_step(model, setup: DistributedSetup, micro_batches, optimizer, max_gra
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     for i, (inputs, labels) in enumerate(micro_batches):
         inputs, labels = inputs.to(device), labels.to(device)
+        # Full-length positions, explicitly: under sequence parallelism a model would
+        # otherwise derive them from its local shard of the sequence.
+        positions = torch.arange(inputs.shape[1], device=device).expand_as(inputs)
         try:
             with grad_sync_context(model, setup, i == len(micro_batches) - 1):
                 with autocast_context(setup):
-                    logits = model(input_ids=inputs, use_cache=False).logits
+                    logits = model(input_ids=inputs, position_ids=positions, use_cache=False).logits
                 mb_loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
                                           ignore_index=IGNORE_INDEX, reduction="sum")
                 (mb_loss * scale).backward()

@@ -46,6 +46,8 @@ def _setup_logging(output_dir: str, info: DistInfo) -> list[logging.Handler]:
         for h in added:
             root.addHandler(h)
         root.setLevel(logging.INFO)
+        # Rank 0 only reads the model output (no in-place ops), so this FSDP2 caution is noise.
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     else:  # other ranks stay quiet unless something fails
         root.setLevel(logging.ERROR)
         warnings.filterwarnings("ignore")

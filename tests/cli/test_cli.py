@@ -75,8 +75,8 @@ def test_bad_size_product_fails_before_any_process(tmp_path):
 
 
 def test_not_yet_available_layout_is_refused_early(tmp_path):
-    out = run(["parallelism=fsdp2", "mesh.tp_size=2"], tmp_path, no_torch_env(tmp_path))
-    assert out.returncode == 2 and "mesh.tp_size=2" in out.stderr
+    out = run(["parallelism=fsdp2", "mesh.cp_size=2"], tmp_path, no_torch_env(tmp_path))
+    assert out.returncode == 2 and "mesh.cp_size=2" in out.stderr
 
 
 def test_a_failing_rank_fails_the_job_and_is_named(tmp_path):
@@ -124,6 +124,6 @@ def test_local_launcher_reruns_a_saved_run(tmp_path):
                 ROOT, cmd=[sys.executable, "-m", "launchers.local"])
     assert again.returncode == 0, again.stderr
     assert losses(tmp_path / "again" / "metrics.jsonl") == losses(metrics)
-    bad = run(["parallelism=ddp", "mesh.tp_size=2"], ROOT, cmd=[sys.executable, "-m",
+    bad = run(["parallelism=ddp", "mesh.cp_size=2"], ROOT, cmd=[sys.executable, "-m",
                                                               "launchers.local"])
-    assert bad.returncode == 2 and "mesh.tp_size=2" in bad.stderr
+    assert bad.returncode == 2 and "mesh.cp_size=2" in bad.stderr

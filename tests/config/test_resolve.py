@@ -263,3 +263,47 @@ def test_data_and_model_checks(tmp_path):
     assert "num_key_value_heads=3" in error("model.config.num_key_value_heads=3")
     assert "optim.lr=0.0" in error("optim.lr=0")
     assert "distributed.backend='tcp'" in error("distributed.backend=tcp")
+
+
+# ----------------------------------------------------------------------------- tensor parallel
+def test_tp_numbers_come_from_the_model_config():
+    c = cfg("parallelism=fsdp2", "mesh.tp_size=2")
+    assert (c.mesh.tp_size, c.mesh.dp_size, c.world_size) == (2, 1, 2)
+    c = cfg("parallelism=fsdp2", "mesh.tp_size=2", "mesh.dp_size=2")
+    assert c.world_size == 4
+
+
+def test_tp_must_divide_heads_kv_heads_vocab_and_sp_seq_len():
+    msg = error("parallelism=fsdp2", "mesh.tp_size=4")
+    assert "num_key_value_heads=2" in msg and "mesh.tp_size=4" in msg
+    msg = error("parallelism=fsdp2", "mesh.tp_size=3", "model.config.num_attention_heads=6",
+                "model.config.hidden_size=66", "model.config.num_key_value_heads=6")
+    assert "vocab_size=256" in msg
+    msg = error("parallelism=fsdp2", "mesh.tp_size=2", "model.config.num_attention_heads=6",
+                "model.config.hidden_size=66", "model.config.num_key_value_heads=3")
+    assert "num_key_value_heads=3" in msg
+    msg = error("parallelism=fsdp2", "mesh.tp_size=2", "parallelism.sequence_parallel=true",
+                "trainer.seq_len=33")
+    assert "trainer.seq_len=33" in msg
+
+
+def test_tp_numbers_from_a_pretrained_config_json(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "llama", "num_attention_heads": 6, '
+                                          '"num_key_value_heads": 6, "vocab_size": 256}')
+    msg = error("parallelism=fsdp2", "mesh.tp_size=4", "model=pretrained",
+                f"model.pretrained_path={tmp_path}")
+    assert "num_attention_heads=6" in msg
+
+
+def test_tp_plan_values():
+    msg = error("parallelism=fsdp2", "mesh.tp_size=2", "parallelism.tp_plan={lm_head:colwize}")
+    assert "'colwize'" in msg and "'lm_head'" in msg and "colwise_gather_output" in msg
+    assert "import path" in error("parallelism=fsdp2", "parallelism.tp_plan=notapath")
+    c = cfg("parallelism=fsdp2", "mesh.tp_size=2", "parallelism.tp_plan=pkg.mod.PLAN")
+    assert c.parallelism.tp_plan == "pkg.mod.PLAN"
+
+
+def test_compile_with_tp_turns_on_sequence_parallel(caplog):
+    with caplog.at_level(logging.WARNING):
+        c = cfg("parallelism=fsdp2", "mesh.tp_size=2", "parallelism.enable_compile=true")
+    assert c.parallelism.sequence_parallel is True and "compiled TP layers" in caplog.text

@@ -72,7 +72,7 @@ def test_patch_is_packed_sequence():
 def test_pretrained_path_loads_the_saved_weights(tmp_path, reference):
     # Save the weights a from-config run starts from (trainer.seed), then train from disk.
     build_model(ModelConfig(config=CONFIG), seed=1234).save_pretrained(tmp_path / "ckpt")
-    records = train(["parallelism=ddp", f"model.pretrained_path={tmp_path}/ckpt"],
+    records = train(["parallelism=ddp", "model=pretrained", f"model.pretrained_path={tmp_path}/ckpt"],
                     tmp_path / "run")
     ref = reference()
     torch.testing.assert_close([r["loss"] for r in records], [r["loss"] for r in ref],

@@ -1,0 +1,74 @@
+"""Which tensor-parallel plan a model gets: the user's, the model's own Hugging Face plan, or
+a fallback for Llama-style module names. Plans map FQN patterns (``*`` = one path component)
+to style names; ``automodel/distributed/tensor_parallel.py`` turns them into torch styles.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from typing import Any
+
+from torch import nn
+
+# For models without a Hugging Face plan whose modules follow Llama's names.
+LLAMA_STYLE_PLAN = {
+    "model.embed_tokens": "embedding_rowwise",
+    "model.layers.*.self_attn.q_proj": "colwise",
+    "model.layers.*.self_attn.k_proj": "colwise",
+    "model.layers.*.self_attn.v_proj": "colwise",
+    "model.layers.*.self_attn.o_proj": "rowwise",
+    "model.layers.*.mlp.gate_proj": "colwise",
+    "model.layers.*.mlp.up_proj": "colwise",
+    "model.layers.*.mlp.down_proj": "rowwise",
+    "lm_head": "colwise_gather_output",
+}
+
+
+def load_plan_from_path(path: str, model: nn.Module) -> dict:
+    """``pkg.module.NAME``: a dict, or a function returning one (given the model if it takes
+    an argument)."""
+    module_name, _, attr = path.rpartition(".")
+    try:
+        obj = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError, ValueError) as err:
+        raise ValueError(f"parallelism.tp_plan={path!r}: cannot import it ({err})") from None
+    if callable(obj):
+        obj = obj(model) if inspect.signature(obj).parameters else obj()
+    if not isinstance(obj, dict):
+        raise ValueError(f"parallelism.tp_plan={path!r} gave a {type(obj).__name__}, "
+                         "expected a dict of FQN pattern -> style name")
+    return obj
+
+
+def _hf_plan(model: nn.Module) -> dict | None:
+    plan = getattr(model, "_tp_plan", None)
+    if plan:
+        return dict(plan)
+    base_plan = getattr(model.config, "base_model_tp_plan", None)
+    if base_plan:
+        prefix = getattr(model, "base_model_prefix", "")
+        full = {f"{prefix}.{k}" if prefix else k: v for k, v in base_plan.items()}
+        if model.get_input_embeddings() is not None:
+            name = _fqn_of(model, model.get_input_embeddings())
+            full.setdefault(name, "embedding_rowwise")
+        if model.get_output_embeddings() is not None:
+            full.setdefault(_fqn_of(model, model.get_output_embeddings()), "colwise_gather_output")
+        return full
+    return None
+
+
+def _fqn_of(model: nn.Module, target: nn.Module) -> str:
+    return next(name for name, mod in model.named_modules() if mod is target)
+
+
+def select_tp_plan(model: nn.Module, user_plan: Any) -> tuple[dict, str]:
+    """(plan, where it came from)."""
+    if isinstance(user_plan, dict):
+        return dict(user_plan), "parallelism.tp_plan"
+    if isinstance(user_plan, str):
+        return load_plan_from_path(user_plan, model), f"parallelism.tp_plan={user_plan}"
+    plan = _hf_plan(model)
+    if plan is not None:
+        return plan, f"{type(model).__name__}'s Hugging Face plan"
+    return dict(LLAMA_STYLE_PLAN), "the Llama-style fallback plan"

@@ -1,0 +1,14 @@
+"""TP plans given to tests by import path (parallelism.tp_plan=tests.distributed.plans.NAME)."""
+
+MLP_ONLY = {
+    "model.layers.*.mlp.gate_proj": "colwise",
+    "model.layers.*.mlp.up_proj": "colwise",
+    "model.layers.*.mlp.down_proj": "rowwise",
+}
+
+
+def attention_only(model):
+    """A function taking the model; patterns relative to the base model, as HF writes them."""
+    assert model.config.num_hidden_layers == 4
+    return {"layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.k_proj": "colwise",
+            "layers.*.self_attn.v_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise"}

@@ -1,0 +1,123 @@
+"""Tensor and sequence parallelism: loss parity with a single process on real gloo ranks."""
+
+import pytest
+
+from tests.distributed.test_parity import assert_matches
+from tests.helpers import FP32, run_on_ranks, train
+
+TP2 = ["parallelism=fsdp2", FP32, "mesh.tp_size=2"]
+MLP_PLAN = ("parallelism.tp_plan={model.layers.*.mlp.gate_proj:colwise,"
+            "model.layers.*.mlp.up_proj:colwise,model.layers.*.mlp.down_proj:rowwise}")
+
+
+@pytest.mark.parametrize("name,overrides", [
+    # llama_tiny has 4 query heads and 2 KV heads: TP=2 leaves one KV head per rank (GQA).
+    ("tp2_hf_plan", TP2),
+    ("tp2_sequence_parallel", TP2 + ["parallelism.sequence_parallel=true"]),
+    ("tp2_yaml_plan", TP2 + [MLP_PLAN]),
+    ("tp2_plan_dict_by_import_path", TP2 + ["parallelism.tp_plan=tests.distributed.plans.MLP_ONLY"]),
+    ("tp2_plan_function_by_import_path",
+     TP2 + ["parallelism.tp_plan=tests.distributed.plans.attention_only"]),
+    ("tp2_async_on_cpu_trains_normally", TP2 + ["parallelism.enable_async_tensor_parallel=true"]),
+])
+def test_tp_matches_single_process(name, overrides, reference, tmp_path):
+    assert_matches(train(overrides, tmp_path), reference())
+
+
+def test_tp2_times_fsdp2_dp2_on_four_ranks(reference, tmp_path):
+    records = train(TP2 + ["mesh.dp_size=2", "parallelism.sequence_parallel=true"], tmp_path)
+    assert_matches(records, reference())
+
+
+def test_qwen3_with_its_own_plan(reference, tmp_path):
+    # Qwen3's plan has per-head q/k norms replicated with gradient all-reduce.
+    records = train(TP2 + ["model=qwen3_tiny"], tmp_path)
+    assert_matches(records, reference("model=qwen3_tiny"))
+
+
+def test_tied_embeddings_tp_and_fsdp2(reference, tmp_path):
+    tied = "model.config.tie_word_embeddings=true"
+    records = train(TP2 + ["mesh.dp_size=2", tied, "parallelism.sequence_parallel=true"],
+                    tmp_path)
+    assert_matches(records, reference(tied))
+
+
+def test_per_layer_compile_with_tp(reference, tmp_path):
+    # Compiled TP layers switch sequence parallelism on (see test_resolve); parity holds.
+    records = train(TP2 + ["parallelism.enable_compile=true"], tmp_path)
+    assert_matches(records, reference())
+
+
+def test_async_tp_on_cpu_says_it_does_not_overlap(tmp_path):
+    train(TP2 + ["parallelism.enable_async_tensor_parallel=true", "trainer.max_steps=1"],
+          tmp_path)
+    log = (tmp_path / "train.log").read_text()
+    assert "only happens on CUDA" in log
+
+
+# ----------------------------------------------------------------------------- technique level
+def _tied_after_parallelize(rank, world):
+    from automodel.config.schema import FSDP2Config, ModelConfig
+    from automodel.distributed.fsdp2 import apply_fsdp2
+    from automodel.distributed.mesh import MeshAxis, build_mesh
+    from automodel.distributed.tensor_parallel import apply_tp
+    from automodel.models.builder import build_model
+    from automodel.models.parts import block_fqns
+    from automodel.models.tp_plans import select_tp_plan
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    mesh = build_mesh("cpu", "gloo", 1, pp=1, dp_replicate=1, dp_shard=2, cp=1, tp=2)
+    cfg = ModelConfig(config={"model_type": "llama", "vocab_size": 64, "hidden_size": 32,
+                              "intermediate_size": 64, "num_hidden_layers": 2,
+                              "num_attention_heads": 2, "num_key_value_heads": 2,
+                              "tie_word_embeddings": True})
+    model = build_model(cfg, seed=0)
+    plan, source = select_tp_plan(model, None)
+    blocks = block_fqns(model)
+    apply_tp(model, mesh[MeshAxis.TP], plan, source, blocks, True, False)
+    tied_after_tp = model.lm_head.weight is model.model.embed_tokens.weight
+    apply_fsdp2(model, blocks, mesh[MeshAxis.DP_SHARD_CP], FSDP2Config(), MixedPrecisionPolicy(),
+                None)
+    tied_after_fsdp = model.lm_head.weight is model.model.embed_tokens.weight
+    n_params = len(list(model.parameters()))
+    placements = [(type(p).__name__, p.dim) for p in model.model.embed_tokens.weight.placements]
+    return tied_after_tp, tied_after_fsdp, n_params, placements
+
+
+def test_tied_embeddings_stay_one_parameter(tmp_path):
+    for tied_tp, tied_fsdp, n_params, placements in run_on_ranks(
+            _tied_after_parallelize, 4, tmp_path=tmp_path):
+        assert tied_tp and tied_fsdp
+        assert n_params == 1 + 2 * 9 + 1  # embedding (shared with lm_head), 2 blocks, final norm
+        # vocab rows sharded over tp, and those shards again over dp (FSDP's strided shard)
+        assert placements == [("_StridedShard", 0), ("Shard", 0)]
+
+
+def _bad_plan(rank, world, plan):
+    from automodel.config.schema import ModelConfig
+    from automodel.distributed.mesh import MeshAxis, build_mesh
+    from automodel.distributed.tensor_parallel import apply_tp
+    from automodel.models.builder import build_model
+    from automodel.models.parts import block_fqns
+
+    mesh = build_mesh("cpu", "gloo", 1, pp=1, dp_replicate=1, dp_shard=1, cp=1, tp=2)
+    model = build_model(ModelConfig(config={"model_type": "llama", "vocab_size": 64,
+                                            "hidden_size": 32, "intermediate_size": 64,
+                                            "num_hidden_layers": 2, "num_attention_heads": 2,
+                                            "num_key_value_heads": 2}), seed=0)
+    try:
+        apply_tp(model, mesh[MeshAxis.TP], plan, "parallelism.tp_plan", block_fqns(model),
+                 False, False)
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+@pytest.mark.parametrize("plan,expected", [
+    ({"model.layers.*.mlp.up_proj": "colwize"}, "style 'colwize'"),
+    ({"model.layers.*.mlp.upper_proj": "colwise"}, "pattern 'model.layers.*.mlp.upper_proj' "
+                                                   "matches no module"),
+])
+def test_bad_plans_name_the_pattern(plan, expected, tmp_path):
+    messages = run_on_ranks(_bad_plan, 2, plan, tmp_path=tmp_path)
+    assert all(expected in m for m in messages), messages
