@@ -1,6 +1,6 @@
 """How much does automodel cost over a hand-written PyTorch loop?
 
-For each layout (DDP and FSDP2, 2 ranks each) this trains the same model on the same token
+For each layout (DDP, FSDP2 and tensor parallel TP=2; 2 ranks each) this trains the same model on the same token
 sequences twice in one invocation: once through ``automodel.api.run`` and once through the
 minimal loop in ``baseline_rank`` below. It prints the median step time and the peak memory
 of both, their ratios (automodel / baseline) and both final losses as a sanity check.
@@ -31,6 +31,10 @@ LAYOUTS = {
     "fsdp2": ["parallelism=fsdp2",
               "parallelism.mp_policy={_target_:torch.distributed.fsdp.MixedPrecisionPolicy,"
               "param_dtype:float32,reduce_dtype:float32}"],
+    # Tensor parallel over both ranks (dp = 1), the model's own Hugging Face plan.
+    "tp2": ["parallelism=fsdp2", "mesh.tp_size=2",
+            "parallelism.mp_policy={_target_:torch.distributed.fsdp.MixedPrecisionPolicy,"
+            "param_dtype:float32,reduce_dtype:float32}"],
 }
 
 
@@ -94,8 +98,12 @@ def baseline_loop(spec: dict, rank: int, world: int) -> dict | None:
 
     torch.manual_seed(spec["seed"])  # same seed -> same initial weights as automodel
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**spec["model_config"]))
+    data_rank, data_world = rank, world
     if spec["layout"] == "ddp":
         model = DistributedDataParallel(model)
+    elif spec["layout"] == "tp2":  # Megatron-style TP with a hand-written plan
+        parallelize_by_hand(model)
+        data_rank, data_world = 0, 1  # both ranks see the whole batch
     else:  # FSDP2: one unit per decoder layer, then the root (fp32, torch's defaults)
         for layer in model.model.layers:
             fully_shard(layer)
@@ -108,18 +116,19 @@ def baseline_loop(spec: dict, rank: int, world: int) -> dict | None:
     step_times = []
     for step in range(spec["steps"]):
         start = time.perf_counter()
-        [(inputs, labels)] = plan.micro_batches(step, rank, world, spec["batch"] // world)
+        [(inputs, labels)] = plan.micro_batches(step, data_rank, data_world,
+                                                spec["batch"] // data_world)
         logits = model(input_ids=inputs, use_cache=False).logits
         loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
         loss.backward()  # DDP / FSDP2 average the gradients over the ranks
-        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        clip_mixed(model, max_norm)
         opt.step()
         opt.zero_grad(set_to_none=True)
         step_times.append(time.perf_counter() - start)
 
     # Outside the timed loop: the last step's loss over all ranks, and the peak RSS.
     final = loss.detach().to(torch.float64)
-    dist.all_reduce(final)  # gloo has no AVG; every rank has the same token count
+    dist.all_reduce(final)  # gloo has no AVG; every rank has the same token count (TP: same loss)
     peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0],
                         dtype=torch.float64)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
@@ -127,6 +136,45 @@ def baseline_loop(spec: dict, rank: int, world: int) -> dict | None:
         return None
     return {"step_times": step_times, "final_loss": float(final) / world,
             "peak_memory_bytes": int(peak.item())}
+
+
+def parallelize_by_hand(model) -> None:
+    """The textbook Llama TP plan, written out with parallelize_module."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+
+    mesh = init_device_mesh("cpu", (NPROC,))
+    plan = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
+            "lm_head": ColwiseParallel(output_layouts=Replicate())}
+    for i in range(len(model.model.layers)):
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                     "mlp.gate_proj", "mlp.up_proj"):
+            plan[f"model.layers.{i}.{name}"] = ColwiseParallel()
+        for name in ("self_attn.o_proj", "mlp.down_proj"):
+            plan[f"model.layers.{i}.{name}"] = RowwiseParallel()
+    parallelize_module(model, mesh, plan)
+
+
+def clip_mixed(model, max_norm: float) -> None:
+    """clip_grad_norm_ for a mix of DTensor (TP-sharded) and plain gradients."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    dtensors = [g for g in grads if isinstance(g, DTensor)]
+    plain = [g for g in grads if not isinstance(g, DTensor)]
+    if not dtensors:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        return
+    total = torch.nn.utils.get_total_norm(dtensors).full_tensor() ** 2
+    if plain:
+        total = total + torch.nn.utils.get_total_norm(plain) ** 2
+    coef = torch.clamp(max_norm / (total.sqrt() + 1e-6), max=1.0).item()
+    for group in (dtensors, plain):
+        if group:
+            torch._foreach_mul_(group, coef)
 
 
 def run_baseline(spec: dict) -> dict:
@@ -201,7 +249,8 @@ def print_table(results: dict) -> None:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--layouts", nargs="+", choices=sorted(LAYOUTS), default=["ddp", "fsdp2"])
+    p.add_argument("--layouts", nargs="+", choices=sorted(LAYOUTS),
+                   default=["ddp", "fsdp2", "tp2"])
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=3, help="steps left out of the median")
     p.add_argument("--repeats", type=int, default=2,

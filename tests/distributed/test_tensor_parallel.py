@@ -121,3 +121,9 @@ def _bad_plan(rank, world, plan):
 def test_bad_plans_name_the_pattern(plan, expected, tmp_path):
     messages = run_on_ranks(_bad_plan, 2, plan, tmp_path=tmp_path)
     assert all(expected in m for m in messages), messages
+
+
+def test_hsdp_times_tp_on_a_3d_mesh_of_eight_ranks(reference, tmp_path):
+    records = train(["parallelism=hsdp", FP32, "mesh.tp_size=2", "trainer.local_batch_size=1",
+                     "parallelism.sequence_parallel=true"], tmp_path)
+    assert_matches(records, reference())
