@@ -31,7 +31,7 @@ class BranchyLM(nn.Module):
         self.unused = nn.Linear(8, 8)
         self.register_buffer("counter", torch.zeros(1))
 
-    def forward(self, input_ids, use_cache=False):
+    def forward(self, input_ids, position_ids=None, use_cache=False):
         return _Out(self.head(self.embed(input_ids)))
 
 

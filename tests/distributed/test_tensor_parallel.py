@@ -127,3 +127,10 @@ def test_hsdp_times_tp_on_a_3d_mesh_of_eight_ranks(reference, tmp_path):
     records = train(["parallelism=hsdp", FP32, "mesh.tp_size=2", "trainer.local_batch_size=1",
                      "parallelism.sequence_parallel=true"], tmp_path)
     assert_matches(records, reference())
+
+
+def test_qwen2_with_its_own_plan(reference, tmp_path):
+    # Qwen2 (biased q/k/v projections) from config, sharded by its own HF plan.
+    qwen2 = "model.config.model_type=qwen2"
+    records = train(TP2 + [qwen2, "parallelism.sequence_parallel=true"], tmp_path)
+    assert_matches(records, reference(qwen2))
