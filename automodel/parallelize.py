@@ -1,15 +1,17 @@
 """The order in which parallelism is applied to a model. Read this first.
 
-    parts = split_into_stages(model)  (pipeline; one part until the pipeline runtime lands)
+    parts = split_model(model)  (pipeline stages of this rank; else the whole model)
     for part in parts:
         pre_shard_hook -> tensor parallel -> context parallel -> expert parallel
         -> activation checkpointing -> compile -> data parallel (DDP / FSDP2)
 
-Context, expert and pipeline parallelism are refused before launch until they land
+Context and expert parallelism are refused before launch until they land
 (``automodel.launch.support``); their places in the order are fixed here.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from torch import nn
 
@@ -18,15 +20,29 @@ from automodel.distributed.compile import apply_compile
 from automodel.distributed.ddp import apply_ddp
 from automodel.distributed.fsdp2 import apply_fsdp2, build_policy
 from automodel.distributed.mesh import MeshAxis
+from automodel.distributed.pipelining.stages import split_model
 from automodel.distributed.setup import DistributedSetup
 from automodel.distributed.tensor_parallel import apply_tp
 from automodel.models.parts import block_fqns, replace_module, select_blocks
 from automodel.models.tp_plans import select_tp_plan
 
 
-def parallelize(model: nn.Module, setup: DistributedSetup) -> list[nn.Module]:
+@dataclass
+class ModelParts:
+    """What this rank trains: the whole model, or its pipeline stages."""
+
+    parts: list
+    stage_ids: list  # pipeline stage index of each part ([0] without a pipeline)
+    num_stages: int = 1
+
+
+def parallelize(model: nn.Module, setup: DistributedSetup) -> ModelParts:
     """Apply every technique the setup asks for; returns the model parts to train."""
-    parts = [model]
+    if setup.pp_enabled:
+        parts, stage_ids, num_stages = split_model(
+            model, setup.pipeline, setup.mesh.local_rank(MeshAxis.PP), setup.size(MeshAxis.PP))
+    else:
+        parts, stage_ids, num_stages = [model], [0], 1
     result = []
     for part in parts:
         if setup.pre_shard_hook is not None:
@@ -42,7 +58,7 @@ def parallelize(model: nn.Module, setup: DistributedSetup) -> list[nn.Module]:
         if getattr(setup.options, "enable_compile", False):
             apply_compile(part, blocks)
         result.append(apply_data_parallel(part, blocks, setup))
-    return result
+    return ModelParts(result, stage_ids, num_stages)
 
 
 def apply_data_parallel(part: nn.Module, blocks: list[str], setup: DistributedSetup) -> nn.Module:

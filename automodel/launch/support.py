@@ -8,7 +8,6 @@ from automodel.distributed.megatron_fsdp import UNSUPPORTED_REASON
 
 _NOT_YET = {
     "cp_size": "context parallelism",
-    "pp_size": "pipeline parallelism",
     "ep_size": "expert parallelism",
 }
 

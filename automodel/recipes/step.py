@@ -50,14 +50,15 @@ def _ddp_hint(err: RuntimeError) -> RuntimeError:
     return err
 
 
-def grad_norm_and_clip(model, max_grad_norm) -> float:
+def grad_norm_and_clip(parameters, max_grad_norm, across_group=None) -> float:
     """Global L2 norm of all gradients, then clip to ``max_grad_norm`` (null: no clipping).
 
     Gradients may be plain tensors and DTensors on different meshes (FSDP2 shards, TP shards,
     both): norms are taken per group of like gradients, each made global, then combined.
+    ``across_group`` sums the squares over ranks holding different parameters (pipeline).
     """
     groups: dict = {}
-    for p in model.parameters():
+    for p in parameters:
         if p.grad is not None:
             g = p.grad
             key = (g.device_mesh, g.placements) if isinstance(g, DTensor) else None
@@ -69,9 +70,12 @@ def grad_norm_and_clip(model, max_grad_norm) -> float:
         if isinstance(group_norm, DTensor):
             group_norm = group_norm.full_tensor()
         partial_norms.append(group_norm)
-    if not partial_norms:
-        return 0.0
-    total = torch.linalg.vector_norm(torch.stack(partial_norms), 2.0)
+    total = (torch.linalg.vector_norm(torch.stack(partial_norms), 2.0) if partial_norms
+             else torch.zeros((), dtype=torch.float32))
+    if across_group is not None:
+        squared = (total.to(torch.float64) ** 2).reshape(1)
+        dist.all_reduce(squared, group=across_group)
+        total = squared.sqrt()[0].to(torch.float32)
     if max_grad_norm is not None:
         coef = torch.clamp(max_grad_norm / (total + 1e-6), max=1.0)
         for grads in groups.values():
@@ -79,13 +83,18 @@ def grad_norm_and_clip(model, max_grad_norm) -> float:
     return float(total)
 
 
+def count_global_tokens(micro_batches, setup: DistributedSetup) -> int:
+    """Label tokens of the whole global batch (all data-parallel ranks)."""
+    local = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in micro_batches)
+    t = torch.tensor([local], dtype=torch.float64, device=setup.device)
+    return int(_all_reduce_sum(t, setup.dp_group).item())
+
+
 def train_step(model, setup: DistributedSetup, micro_batches, optimizer, max_grad_norm):
     """Returns (global mean loss, gradient norm before clipping, global token count)."""
     device = setup.device
     group = setup.dp_group
-    local_tokens = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in micro_batches)
-    global_tokens = int(_all_reduce_sum(torch.tensor([local_tokens], dtype=torch.float64,
-                                                     device=device), group).item())
+    global_tokens = count_global_tokens(micro_batches, setup)
     scale = setup.dp_size / global_tokens
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     for i, (inputs, labels) in enumerate(micro_batches):
@@ -105,7 +114,7 @@ def train_step(model, setup: DistributedSetup, micro_batches, optimizer, max_gra
                 raise _ddp_hint(err) from err
             raise
         loss_sum += mb_loss.detach().to(torch.float64)
-    grad_norm = grad_norm_and_clip(model, max_grad_norm)
+    grad_norm = grad_norm_and_clip(model.parameters(), max_grad_norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     loss = float(_all_reduce_sum(loss_sum, group).item()) / global_tokens

@@ -24,6 +24,7 @@ from automodel.distributed.setup import DistributedSetup
 from automodel.models.builder import build_model
 from automodel.optim import build_optimizer, build_scheduler
 from automodel.parallelize import parallelize
+from automodel.recipes.pipeline_step import PipelineStep
 from automodel.recipes.step import train_step
 from automodel.tracking.metrics import MetricsWriter
 
@@ -107,8 +108,10 @@ def _train(cfg: TrainConfig, info: DistInfo, output_dir: str) -> list[dict]:
     model = build_model(cfg.model, cfg.trainer.seed).to(info.device)
     vocab = model.config.vocab_size
     n_params = sum(p.numel() for p in model.parameters())
-    [model] = parallelize(model, setup)
-    optimizer = build_optimizer(model.parameters(), cfg.optim)
+    parallel = parallelize(model, setup)
+    model = parallel.parts[0]
+    params = [p for part in parallel.parts for p in part.parameters()]
+    optimizer = build_optimizer(params, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.trainer.max_steps)
     t = cfg.trainer
     plan = BatchPlan(token_sequences(cfg.data_source, cfg.data, t.seq_len, vocab),
@@ -117,6 +120,8 @@ def _train(cfg: TrainConfig, info: DistInfo, output_dir: str) -> list[dict]:
              "tokens, %d micro-batch(es) per rank per step; output in %s", cfg.strategy,
              info.world_size, setup.dp_size, type(model).__name__, n_params / 1e6, t.max_steps,
              t.global_batch_size, t.seq_len, cfg.grad_accum_steps, output_dir)
+    pipeline = (PipelineStep(parallel, setup, t.global_batch_size // setup.dp_size)
+                if setup.pp_enabled else None)
     metrics = MetricsWriter(output_dir, info.is_main)
     records: list[dict] = []
     window_tokens, window_start = 0, time.perf_counter()
@@ -124,8 +129,11 @@ def _train(cfg: TrainConfig, info: DistInfo, output_dir: str) -> list[dict]:
         for step in range(t.max_steps):
             lr = scheduler.get_last_lr()[0]
             micro = plan.micro_batches(step, setup.dp_rank, setup.dp_size, t.local_batch_size)
-            loss, grad_norm, tokens = train_step(model, setup, micro, optimizer,
-                                                 cfg.optim.max_grad_norm)
+            if pipeline is not None:
+                loss, grad_norm, tokens = pipeline(micro, optimizer, cfg.optim.max_grad_norm)
+            else:
+                loss, grad_norm, tokens = train_step(model, setup, micro, optimizer,
+                                                     cfg.optim.max_grad_norm)
             scheduler.step()
             window_tokens += tokens
             number = step + 1

@@ -1,0 +1,54 @@
+"""Turn this rank's pipeline stages into torch PipelineStages and a schedule."""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+
+from automodel.distributed.pipelining.schedule import schedule_spec, stages_of_rank
+from automodel.distributed.pipelining.split import build_stage, count_stages, stage_layer_ranges
+
+
+def split_model(model: nn.Module, pipeline, pp_rank: int, pp_size: int):
+    """(stage modules of this rank, their stage indices, total stage count)."""
+    spec = schedule_spec(pipeline.pp_schedule)
+    inner = getattr(model, model.base_model_prefix)
+    num_layers = len(inner.layers)
+    if pipeline.module_fqns_per_model_part is not None:
+        raise ValueError("pipeline.module_fqns_per_model_part is not supported yet")
+    num_stages = count_stages(num_layers, pp_size, spec.multi_stage, spec.v_placement,
+                              pipeline.layers_per_stage, pipeline.round_virtual_stages_to_pp_multiple)
+    ranges = stage_layer_ranges(num_layers, num_stages,
+                                pipeline.layers_per_stage if num_stages * (pipeline.layers_per_stage or 0) == num_layers else None)
+    mine = stages_of_rank(pp_rank, pp_size, num_stages, spec.v_placement)
+    parts = [build_stage(model, ranges[i], i == 0, i == num_stages - 1,
+                         pipeline.patch_inner_model, pipeline.patch_causal_lm_model) for i in mine]
+    return parts, mine, num_stages
+
+
+class PipelineLoss:
+    """The last stage's loss per micro-batch: summed token cross-entropy times ``scale``
+    (set by the runner each step so gradients match the unpipelined step)."""
+
+    def __init__(self):
+        self.scale = 1.0
+
+    def __call__(self, logits, labels):
+        import torch.nn.functional as F
+
+        total = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
+                                ignore_index=-100, reduction="sum")
+        return total * self.scale
+
+
+def build_schedule(parts, stage_ids, num_stages, pipeline, device, pp_group, n_microbatches,
+                   loss: PipelineLoss):
+    spec = schedule_spec(pipeline.pp_schedule)
+    stages = [PipelineStage(part, sid, num_stages, device, group=pp_group)
+              for part, sid in zip(parts, stage_ids)]
+    kwargs = dict(n_microbatches=n_microbatches, loss_fn=loss,
+                  scale_grads=pipeline.scale_grads_in_schedule)
+    if spec.multi_stage:
+        return spec.cls(stages, **kwargs)
+    [stage] = stages
+    return spec.cls(stage, **kwargs)
