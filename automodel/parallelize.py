@@ -22,7 +22,7 @@ from automodel.distributed.fsdp2 import apply_fsdp2, build_policy
 from automodel.distributed.mesh import MeshAxis
 from automodel.distributed.pipelining.stages import split_model
 from automodel.distributed.setup import DistributedSetup
-from automodel.distributed.tensor_parallel import apply_tp
+from automodel.distributed.tensor_parallel import apply_tp, expand_plan
 from automodel.models.parts import block_fqns, replace_module, select_blocks
 from automodel.models.tp_plans import select_tp_plan
 
@@ -38,6 +38,10 @@ class ModelParts:
 
 def parallelize(model: nn.Module, setup: DistributedSetup) -> ModelParts:
     """Apply every technique the setup asks for; returns the model parts to train."""
+    tp_plan = None
+    if setup.size(MeshAxis.TP) > 1:
+        tp_plan = select_tp_plan(model, setup.options.tp_plan)
+        expand_plan(model, *tp_plan)  # every pattern must match the whole model
     if setup.pp_enabled:
         parts, stage_ids, num_stages = split_model(
             model, setup.pipeline, setup.mesh.local_rank(MeshAxis.PP), setup.size(MeshAxis.PP))
@@ -48,11 +52,10 @@ def parallelize(model: nn.Module, setup: DistributedSetup) -> ModelParts:
         if setup.pre_shard_hook is not None:
             setup.pre_shard_hook(part)
         blocks = block_fqns(part)
-        if setup.size(MeshAxis.TP) > 1:
+        if tp_plan is not None:
             opts = setup.options
-            plan, source = select_tp_plan(part, opts.tp_plan)
-            apply_tp(part, setup.mesh[MeshAxis.TP], plan, source, blocks,
-                     opts.sequence_parallel, opts.enable_async_tensor_parallel)
+            apply_tp(part, setup.mesh[MeshAxis.TP], *tp_plan, blocks, opts.sequence_parallel,
+                     opts.enable_async_tensor_parallel, pipeline_stage=setup.pp_enabled)
         ac_blocks = select_blocks(part, setup.activation_checkpointing_scope)
         apply_ac(part, ac_blocks, setup.activation_checkpointing, replace_module)
         if getattr(setup.options, "enable_compile", False):

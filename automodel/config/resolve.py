@@ -23,6 +23,7 @@ from automodel.config.validate import (
     check_dtype,
     check_optim,
     check_pipeline,
+    check_pipeline_model,
     check_tensor_parallel,
     resolve_mesh,
     resolve_trainer,
@@ -130,6 +131,8 @@ def resolve(cfg, env: Optional[Mapping[str, str]] = None, output_dir: str = ".",
     check_dtype("model.dtype", model.dtype, allow_none=False)
     if strategy in ("fsdp2", "megatron_fsdp"):
         check_tensor_parallel(par, mesh, model, trainer)
+    if pipeline is not None:
+        check_pipeline_model(pipeline, mesh, model)
     data = build(data_cls, plain["data"], "data")
     check_data(DATA_SOURCES[data_cls], data, model)
     optim = build(s.OptimConfig, plain["optim"], "optim")

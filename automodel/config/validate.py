@@ -200,6 +200,27 @@ def _check_ac_scope(scope) -> List[str]:
     return list(values)
 
 
+def check_pipeline_model(p: s.PipelineConfig, mesh: s.MeshConfig, model: s.ModelConfig) -> None:
+    """Stages against the model's layers, and what a split model cannot do."""
+    numbers = model_numbers(model)
+    layers = numbers.get("num_hidden_layers")
+    name = p.pp_schedule.lower()
+    single = name in ("1f1b", "gpipe")
+    if isinstance(layers, int) and p.layers_per_stage is None:
+        stages = mesh.pp_size * (1 if single else 2)
+        if stages > layers:
+            raise ConfigError(f"pipeline.pp_schedule={p.pp_schedule} with mesh.pp_size="
+                              f"{mesh.pp_size} needs {stages} stages but the model has "
+                              f"model.config.num_hidden_layers={layers}")
+    if isinstance(layers, int) and p.layers_per_stage is not None and p.layers_per_stage > layers:
+        raise ConfigError(f"pipeline.layers_per_stage={p.layers_per_stage} exceeds the model's "
+                          f"{layers} layers")
+    if numbers.get("tie_word_embeddings"):
+        raise ConfigError("model.config.tie_word_embeddings=true with a pipeline: the embedding "
+                          "(first stage) and LM head (last stage) cannot share a weight yet; "
+                          "set it to false")
+
+
 def check_pipeline(p: s.PipelineConfig, mesh: s.MeshConfig, trainer: s.TrainerConfig) -> None:
     if p.pp_schedule_csv is None and p.pp_schedule == "csv":
         raise ConfigError("pipeline=csv needs the schedule file: "
@@ -222,10 +243,14 @@ def check_pipeline(p: s.PipelineConfig, mesh: s.MeshConfig, trainer: s.TrainerCo
     if p.round_virtual_stages_to_pp_multiple not in (None, "up", "down"):
         raise ConfigError(f"pipeline.round_virtual_stages_to_pp_multiple="
                           f"{p.round_virtual_stages_to_pp_multiple!r}: allowed: up, down, null")
-    batch = p.pp_batch_size if p.pp_batch_size is not None else trainer.local_batch_size
+    per_rank = trainer.global_batch_size // mesh.dp_size
+    if p.pp_batch_size is not None and per_rank % p.pp_batch_size:
+        raise ConfigError(f"pipeline.pp_batch_size={p.pp_batch_size} must divide the per-rank "
+                          f"batch trainer.global_batch_size / dp = {per_rank}")
+    batch = p.pp_batch_size if p.pp_batch_size is not None else per_rank
     if batch % p.pp_microbatch_size:
         raise ConfigError(f"pipeline batch {batch} (pipeline.pp_batch_size, default "
-                          f"trainer.local_batch_size) must be divisible by "
+                          f"trainer.global_batch_size / dp) must be divisible by "
                           f"pipeline.pp_microbatch_size={p.pp_microbatch_size}")
 
 

@@ -109,8 +109,10 @@ def _pattern_regex(pattern: str) -> re.Pattern:
                                  for part in pattern.split(".")) + "$")
 
 
-def expand_plan(model: nn.Module, plan: dict, source: str) -> dict[str, str]:
-    """Concrete FQN -> style name. Unknown styles and patterns that match nothing are errors."""
+def expand_plan(model: nn.Module, plan: dict, source: str,
+                allow_unmatched: bool = False) -> dict[str, str]:
+    """Concrete FQN -> style name. Unknown styles and patterns that match nothing are errors
+    (``allow_unmatched``: a pipeline stage holds only part of the model, checked whole before)."""
     names = [n for n, _ in model.named_modules() if n]
     prefix = getattr(model, "base_model_prefix", "")
     concrete: dict[str, str] = {}
@@ -123,7 +125,7 @@ def expand_plan(model: nn.Module, plan: dict, source: str) -> dict[str, str]:
         if not matched and prefix:
             regex = _pattern_regex(f"{prefix}.{pattern}")
             matched = [n for n in names if regex.match(n)]
-        if not matched:
+        if not matched and not allow_unmatched:
             raise ValueError(f"{source}: pattern {pattern!r} matches no module of "
                              f"{type(model).__name__} (e.g. {', '.join(names[:4])}, ...)")
         for n in matched:
@@ -140,7 +142,7 @@ def check_divisibility(model: nn.Module, concrete: dict[str, str], tp: int) -> N
     if kv_heads and kv_heads % tp:
         raise ValueError(f"mesh.tp_size={tp} must divide the model's num_key_value_heads={kv_heads}")
     vocab = getattr(cfg, "vocab_size", None)
-    vocab_modules = {model.get_input_embeddings(), model.get_output_embeddings()}
+    vocab_modules = {model.get_input_embeddings(), model.get_output_embeddings()} - {None}
     for fqn, style in concrete.items():
         if model.get_submodule(fqn) in vocab_modules and style in _VOCAB_SHARDING and vocab % tp:
             raise ValueError(f"mesh.tp_size={tp} must divide the model's vocab_size={vocab} "
@@ -165,9 +167,10 @@ def _sequence_parallel_extras(model: nn.Module, block_fqns: list[str],
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: dict, source: str,
-             block_fqns: list[str], sequence_parallel: bool, async_tp: bool) -> dict[str, str]:
+             block_fqns: list[str], sequence_parallel: bool, async_tp: bool,
+             pipeline_stage: bool = False) -> dict[str, str]:
     """Parallelize ``model`` in place over ``tp_mesh``. Returns the concrete plan applied."""
-    concrete = expand_plan(model, plan, source)
+    concrete = expand_plan(model, plan, source, allow_unmatched=pipeline_stage)
     check_divisibility(model, concrete, tp_mesh.size())
     styles: dict[str, ParallelStyle] = {}
     for fqn, name in concrete.items():

@@ -38,7 +38,10 @@ class PipelineStep:
         for chunk in range(0, inputs.shape[0], self.batch):
             args = (inputs[chunk:chunk + self.batch],) if self.has_first else ()
             target = labels[chunk:chunk + self.batch] if self.has_last else None
-            self.schedule.step(*args, target=target, losses=losses if self.has_last else None)
+            chunk_losses: list = []  # the schedule refills this list on every call
+            self.schedule.step(*args, target=target,
+                               losses=chunk_losses if self.has_last else None)
+            losses.extend(chunk_losses)
         params = [p for part in self.parts for p in part.parameters()]
         grad_norm = grad_norm_and_clip(params, max_grad_norm, across_group=self.pp_group)
         optimizer.step()

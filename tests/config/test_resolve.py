@@ -132,9 +132,21 @@ def test_global_batch_must_divide_by_dp():
 
 
 def test_pipeline_batch_divisible_by_microbatch():
-    msg = error("parallelism=fsdp2", "pipeline=1f1b", "pipeline.pp_batch_size=6",
-                "pipeline.pp_microbatch_size=4")
-    assert "pipeline.pp_microbatch_size=4" in msg
+    msg = error("parallelism=fsdp2", "pipeline=1f1b", "pipeline.pp_batch_size=8",
+                "pipeline.pp_microbatch_size=3")
+    assert "pipeline.pp_microbatch_size=3" in msg
+    msg = error("parallelism=fsdp2", "pipeline=1f1b", "pipeline.pp_batch_size=6")
+    assert "pipeline.pp_batch_size=6 must divide" in msg
+
+
+def test_pipeline_stages_against_the_model():
+    msg = error("parallelism=fsdp2", "pipeline=interleaved", "mesh.pp_size=4",
+                "distributed.nproc_per_node=4")
+    assert "needs 8 stages" in msg and "num_hidden_layers=4" in msg
+    assert "tie_word_embeddings" in error("parallelism=fsdp2", "pipeline=1f1b",
+                                          "model.config.tie_word_embeddings=true")
+    assert "layers_per_stage=9" in error("parallelism=fsdp2", "pipeline=interleaved",
+                                         "pipeline.layers_per_stage=9")
 
 
 # ----------------------------------------------------------------------------- strategy options
