@@ -212,9 +212,14 @@ def check_pipeline_model(p: s.PipelineConfig, mesh: s.MeshConfig, model: s.Model
             raise ConfigError(f"pipeline.pp_schedule={p.pp_schedule} with mesh.pp_size="
                               f"{mesh.pp_size} needs {stages} stages but the model has "
                               f"model.config.num_hidden_layers={layers}")
-    if isinstance(layers, int) and p.layers_per_stage is not None and p.layers_per_stage > layers:
-        raise ConfigError(f"pipeline.layers_per_stage={p.layers_per_stage} exceeds the model's "
-                          f"{layers} layers")
+    if isinstance(layers, int) and p.layers_per_stage is not None:
+        if p.layers_per_stage > layers:
+            raise ConfigError(f"pipeline.layers_per_stage={p.layers_per_stage} exceeds the "
+                              f"model's {layers} layers")
+        if single and p.layers_per_stage * mesh.pp_size != layers:
+            raise ConfigError(f"pipeline.layers_per_stage={p.layers_per_stage} x mesh.pp_size="
+                              f"{mesh.pp_size} stages != the model's {layers} layers "
+                              f"({p.pp_schedule} has one stage per rank)")
     if numbers.get("tie_word_embeddings"):
         raise ConfigError("model.config.tie_word_embeddings=true with a pipeline: the embedding "
                           "(first stage) and LM head (last stage) cannot share a weight yet; "

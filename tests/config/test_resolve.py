@@ -147,6 +147,9 @@ def test_pipeline_stages_against_the_model():
                                           "model.config.tie_word_embeddings=true")
     assert "layers_per_stage=9" in error("parallelism=fsdp2", "pipeline=interleaved",
                                          "pipeline.layers_per_stage=9")
+    assert "one stage per rank" in error("parallelism=fsdp2", "pipeline=1f1b",
+                                         "pipeline.layers_per_stage=1")
+    assert cfg("parallelism=fsdp2", "pipeline=1f1b", "pipeline.layers_per_stage=2")
 
 
 # ----------------------------------------------------------------------------- strategy options

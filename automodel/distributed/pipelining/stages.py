@@ -18,8 +18,11 @@ def split_model(model: nn.Module, pipeline, pp_rank: int, pp_size: int):
         raise ValueError("pipeline.module_fqns_per_model_part is not supported yet")
     num_stages = count_stages(num_layers, pp_size, spec.multi_stage, spec.v_placement,
                               pipeline.layers_per_stage, pipeline.round_virtual_stages_to_pp_multiple)
-    ranges = stage_layer_ranges(num_layers, num_stages,
-                                pipeline.layers_per_stage if num_stages * (pipeline.layers_per_stage or 0) == num_layers else None)
+    # layers_per_stage fixes the split when it tiles the model exactly; after rounding the
+    # stage count to a multiple of pp, the layers are spread evenly instead.
+    per_stage = pipeline.layers_per_stage
+    exact = per_stage if per_stage and per_stage * num_stages == num_layers else None
+    ranges = stage_layer_ranges(num_layers, num_stages, exact)
     mine = stages_of_rank(pp_rank, pp_size, num_stages, spec.v_placement)
     parts = [build_stage(model, ranges[i], i == 0, i == num_stages - 1,
                          pipeline.patch_inner_model, pipeline.patch_causal_lm_model) for i in mine]
