@@ -56,3 +56,28 @@ def run_on_ranks(fn, world, *args, tmp_path):
         with open(tmp_path / f"{rank}.pkl", "rb") as f:
             out.append(pickle.load(f))
     return out
+
+
+def write_schedule_csv(path, pp: int, n_microbatches: int, stages_per_rank: int = 1,
+                       comms: bool = False) -> str:
+    """A looped breadth-first schedule as CSV: compute-only, or lowered to compute+comms by
+    torch's own passes (FSDP unshard/reshard, gradient reduce, send/recv)."""
+    num_stages = pp * stages_per_rank
+    rows = []
+    for rank in range(pp):
+        mine = list(range(rank, num_stages, pp))
+        fwd = [f"{s}F{m}" for s in mine for m in range(n_microbatches)]
+        bwd = [f"{s}B{m}" for s in reversed(mine) for m in range(n_microbatches)]
+        rows.append(fwd + bwd)
+    if comms:
+        from torch.distributed.pipelining import schedules as S
+
+        actions = {r: S._add_reduce_grad(S._add_unshard_reshard(
+            [S._Action.from_str(a) for a in row]), n_microbatches) for r, row in enumerate(rows)}
+        lowered = S._add_send_recv(actions, stage_to_rank=lambda s: s % pp,
+                                   num_stages=num_stages)
+        rows = [[str(a) for a in lowered[r]] for r in range(pp)]
+    with open(path, "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(",".join(row) + "\n")
+    return str(path)

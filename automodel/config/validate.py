@@ -208,6 +208,10 @@ def check_pipeline_model(p: s.PipelineConfig, mesh: s.MeshConfig, model: s.Model
     single = name in ("1f1b", "gpipe")
     if isinstance(layers, int) and p.layers_per_stage is None:
         stages = mesh.pp_size * (1 if single else 2)
+        if p.pp_schedule_csv is not None:
+            from automodel.distributed.pipelining.csv_schedule import read_csv_layout
+
+            stages = read_csv_layout(p.pp_schedule_csv).num_stages
         if stages > layers:
             raise ConfigError(f"pipeline.pp_schedule={p.pp_schedule} with mesh.pp_size="
                               f"{mesh.pp_size} needs {stages} stages but the model has "
@@ -257,6 +261,25 @@ def check_pipeline(p: s.PipelineConfig, mesh: s.MeshConfig, trainer: s.TrainerCo
         raise ConfigError(f"pipeline batch {batch} (pipeline.pp_batch_size, default "
                           f"trainer.global_batch_size / dp) must be divisible by "
                           f"pipeline.pp_microbatch_size={p.pp_microbatch_size}")
+    if p.pp_schedule_csv is not None:
+        _check_csv(p, mesh, batch // p.pp_microbatch_size)
+
+
+def _check_csv(p: s.PipelineConfig, mesh: s.MeshConfig, n_microbatches: int) -> None:
+    from automodel.distributed.pipelining.csv_schedule import read_csv_layout
+
+    try:
+        layout = read_csv_layout(p.pp_schedule_csv)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    if len(layout.stages_by_rank) != mesh.pp_size:
+        raise ConfigError(f"pipeline.pp_schedule_csv={p.pp_schedule_csv!r} has "
+                          f"{len(layout.stages_by_rank)} rows but mesh.pp_size={mesh.pp_size} "
+                          "(one row per pipeline rank)")
+    if layout.num_microbatches != n_microbatches:
+        raise ConfigError(f"pipeline.pp_schedule_csv={p.pp_schedule_csv!r} schedules "
+                          f"{layout.num_microbatches} micro-batches but the pipeline batch makes "
+                          f"{n_microbatches} (pipeline.pp_batch_size / pp_microbatch_size)")
 
 
 def check_data(source: str, data, model: s.ModelConfig) -> None:

@@ -231,8 +231,23 @@ def test_pipeline_csv_must_exist(tmp_path):
     msg = error("parallelism=fsdp2", "pipeline=csv", f"pipeline.pp_schedule_csv={tmp_path}/x.csv")
     assert "x.csv" in msg and "no such file" in msg
     assert "pipeline.pp_schedule_csv=" in error("parallelism=fsdp2", "pipeline=csv")
-    (tmp_path / "s.csv").write_text("F0,B0\n")
-    assert cfg("parallelism=fsdp2", "pipeline=csv", f"pipeline.pp_schedule_csv={tmp_path}/s.csv")
+    from tests.helpers import write_schedule_csv
+
+    good = write_schedule_csv(tmp_path / "s.csv", pp=2, n_microbatches=16)
+    c = cfg("parallelism=fsdp2", "pipeline=csv", f"pipeline.pp_schedule_csv={good}")
+    assert c.pipeline.pp_schedule_csv == good
+    assert "schedules 16 micro-batches but the pipeline batch makes 8" in error(
+        "parallelism=fsdp2", "pipeline=csv", f"pipeline.pp_schedule_csv={good}",
+        "pipeline.pp_microbatch_size=2")
+    (tmp_path / "bad.csv").write_text("0F0,0X1\n1F0,1B0\n")
+    msg = error("parallelism=fsdp2", "pipeline=csv", f"pipeline.pp_schedule_csv={tmp_path}/bad.csv")
+    assert "row 1, column 2: '0X1'" in msg
+    (tmp_path / "dup.csv").write_text("0F0,0B0\n0F0,0B0\n")
+    msg = error("parallelism=fsdp2", "pipeline=csv", f"pipeline.pp_schedule_csv={tmp_path}/dup.csv")
+    assert "stage 0 appears on rows 1 and 2" in msg
+    (tmp_path / "rows.csv").write_text("0F0,0B0\n")
+    assert "1 rows but mesh.pp_size=2" in error(
+        "parallelism=fsdp2", "pipeline=csv", f"pipeline.pp_schedule_csv={tmp_path}/rows.csv")
 
 
 # ----------------------------------------------------------------------------- schema checks

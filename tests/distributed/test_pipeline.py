@@ -3,7 +3,7 @@
 import pytest
 
 from tests.distributed.test_parity import assert_matches
-from tests.helpers import FP32, train
+from tests.helpers import FP32, train, write_schedule_csv
 
 PP = ["parallelism=fsdp2", FP32, "pipeline.pp_microbatch_size=2"]  # 4 micro-batches
 
@@ -32,4 +32,13 @@ def test_pp2_times_fsdp2_dp2_on_four_ranks(reference, tmp_path):
 
 def test_pp2_times_tp2_on_four_ranks(reference, tmp_path):
     records = train(PP + ["pipeline=1f1b", "mesh.tp_size=2"], tmp_path)
+    assert_matches(records, reference())
+
+
+@pytest.mark.parametrize("stages_per_rank,comms", [(1, False), (2, False), (2, True)])
+def test_csv_schedule_matches_single_process(stages_per_rank, comms, reference, tmp_path):
+    # 8 sequences / micro-batch size 2 = 4 micro-batches per step
+    path = write_schedule_csv(tmp_path / "schedule.csv", pp=2, n_microbatches=4,
+                              stages_per_rank=stages_per_rank, comms=comms)
+    records = train(PP + ["pipeline=csv", f"pipeline.pp_schedule_csv={path}"], tmp_path)
     assert_matches(records, reference())

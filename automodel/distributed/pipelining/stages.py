@@ -5,25 +5,31 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
+from automodel.distributed.pipelining.csv_schedule import read_csv_layout
 from automodel.distributed.pipelining.schedule import schedule_spec, stages_of_rank
 from automodel.distributed.pipelining.split import build_stage, count_stages, stage_layer_ranges
 
 
 def split_model(model: nn.Module, pipeline, pp_rank: int, pp_size: int):
     """(stage modules of this rank, their stage indices, total stage count)."""
-    spec = schedule_spec(pipeline.pp_schedule)
     inner = getattr(model, model.base_model_prefix)
     num_layers = len(inner.layers)
     if pipeline.module_fqns_per_model_part is not None:
         raise ValueError("pipeline.module_fqns_per_model_part is not supported yet")
-    num_stages = count_stages(num_layers, pp_size, spec.multi_stage, spec.v_placement,
-                              pipeline.layers_per_stage, pipeline.round_virtual_stages_to_pp_multiple)
+    if pipeline.pp_schedule_csv is not None:  # the CSV says which stages each rank runs
+        layout = read_csv_layout(pipeline.pp_schedule_csv)
+        num_stages, mine = layout.num_stages, layout.stages_by_rank[pp_rank]
+    else:
+        spec = schedule_spec(pipeline.pp_schedule)
+        num_stages = count_stages(num_layers, pp_size, spec.multi_stage, spec.v_placement,
+                                  pipeline.layers_per_stage,
+                                  pipeline.round_virtual_stages_to_pp_multiple)
+        mine = stages_of_rank(pp_rank, pp_size, num_stages, spec.v_placement)
     # layers_per_stage fixes the split when it tiles the model exactly; after rounding the
     # stage count to a multiple of pp, the layers are spread evenly instead.
     per_stage = pipeline.layers_per_stage
     exact = per_stage if per_stage and per_stage * num_stages == num_layers else None
     ranges = stage_layer_ranges(num_layers, num_stages, exact)
-    mine = stages_of_rank(pp_rank, pp_size, num_stages, spec.v_placement)
     parts = [build_stage(model, ranges[i], i == 0, i == num_stages - 1,
                          pipeline.patch_inner_model, pipeline.patch_causal_lm_model) for i in mine]
     return parts, mine, num_stages
@@ -46,11 +52,18 @@ class PipelineLoss:
 
 def build_schedule(parts, stage_ids, num_stages, pipeline, device, pp_group, n_microbatches,
                    loss: PipelineLoss):
-    spec = schedule_spec(pipeline.pp_schedule)
     stages = [PipelineStage(part, sid, num_stages, device, group=pp_group)
               for part, sid in zip(parts, stage_ids)]
     kwargs = dict(n_microbatches=n_microbatches, loss_fn=loss,
                   scale_grads=pipeline.scale_grads_in_schedule)
+    if pipeline.pp_schedule_csv is not None:
+        from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
+
+        schedule = _PipelineScheduleRuntime(stages, **kwargs)
+        schedule._load_csv(pipeline.pp_schedule_csv,
+                           format=read_csv_layout(pipeline.pp_schedule_csv).format)
+        return schedule
+    spec = schedule_spec(pipeline.pp_schedule)
     if spec.multi_stage:
         return spec.cls(stages, **kwargs)
     [stage] = stages
