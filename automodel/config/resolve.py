@@ -132,7 +132,7 @@ def resolve(cfg, env: Optional[Mapping[str, str]] = None, output_dir: str = ".",
     if strategy in ("fsdp2", "megatron_fsdp"):
         check_tensor_parallel(par, mesh, model, trainer)
     if pipeline is not None:
-        check_pipeline_model(pipeline, mesh, model)
+        check_pipeline_model(pipeline, mesh, model, trainer)
     data = build(data_cls, plain["data"], "data")
     check_data(DATA_SOURCES[data_cls], data, model)
     optim = build(s.OptimConfig, plain["optim"], "optim")

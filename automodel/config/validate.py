@@ -13,6 +13,7 @@ from typing import List
 
 from automodel.config import schema as s
 from automodel.config.build import ConfigError
+from automodel.distributed.pipelining.layout import SCHEDULE_SHAPES, canonical_schedule, count_stages
 from automodel.launch.env import LaunchEnv
 
 log = logging.getLogger(__name__)
@@ -23,10 +24,6 @@ AC_SCOPES = ("language", "vision", "audio", "multimodal")
 # Strategies that need more than one data-parallel rank to mean anything (default dp = 2).
 MULTI_RANK_STRATEGIES = ("ddp", "fsdp2", "megatron_fsdp")
 
-PP_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "looped_bfs", "dfs", "v_schedule", "zero_bubble")
-# torch.distributed.pipelining's own class names, accepted case-insensitively.
-TORCH_PP_SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b", "loopedbfs", "interleavedzerobubble",
-                      "zbvzerobubble", "dualpipev")
 
 # Tensor-parallel style names a plan may use (Hugging Face's names).
 TP_STYLE_NAMES = ("colwise", "rowwise", "colwise_rep", "rowwise_rep", "embedding_rowwise",
@@ -200,34 +197,65 @@ def _check_ac_scope(scope) -> List[str]:
     return list(values)
 
 
-def check_pipeline_model(p: s.PipelineConfig, mesh: s.MeshConfig, model: s.ModelConfig) -> None:
-    """Stages against the model's layers, and what a split model cannot do."""
+def check_pipeline_model(p: s.PipelineConfig, mesh: s.MeshConfig, model: s.ModelConfig,
+                         trainer: s.TrainerConfig) -> None:
+    """Stages against the model's layers and the micro-batches; what a split model cannot do."""
     numbers = model_numbers(model)
     layers = numbers.get("num_hidden_layers")
-    name = p.pp_schedule.lower()
-    single = name in ("1f1b", "gpipe")
-    if isinstance(layers, int) and p.layers_per_stage is None:
-        stages = mesh.pp_size * (1 if single else 2)
-        if p.pp_schedule_csv is not None:
-            from automodel.distributed.pipelining.csv_schedule import read_csv_layout
+    pp = mesh.pp_size
+    if p.pp_schedule_csv is not None:
+        from automodel.distributed.pipelining.csv_schedule import read_csv_layout
 
-            stages = read_csv_layout(p.pp_schedule_csv).num_stages
-        if stages > layers:
-            raise ConfigError(f"pipeline.pp_schedule={p.pp_schedule} with mesh.pp_size="
-                              f"{mesh.pp_size} needs {stages} stages but the model has "
-                              f"model.config.num_hidden_layers={layers}")
-    if isinstance(layers, int) and p.layers_per_stage is not None:
-        if p.layers_per_stage > layers:
-            raise ConfigError(f"pipeline.layers_per_stage={p.layers_per_stage} exceeds the "
-                              f"model's {layers} layers")
-        if single and p.layers_per_stage * mesh.pp_size != layers:
-            raise ConfigError(f"pipeline.layers_per_stage={p.layers_per_stage} x mesh.pp_size="
-                              f"{mesh.pp_size} stages != the model's {layers} layers "
-                              f"({p.pp_schedule} has one stage per rank)")
+        name, stages = "csv", read_csv_layout(p.pp_schedule_csv).num_stages
+    else:
+        name = canonical_schedule(p.pp_schedule)
+        multi, v_shape = SCHEDULE_SHAPES[name]
+        if p.module_fqns_per_model_part is not None:
+            stages = len(p.module_fqns_per_model_part)
+            need = (f"{pp} (one per rank)" if not multi else f"{2 * pp} (two per rank, V)"
+                    if v_shape else f"a multiple of {pp}, at least {2 * pp}")
+            if (not multi and stages != pp) or (v_shape and stages != 2 * pp) or (
+                    multi and not v_shape and (stages % pp or stages < 2 * pp)):
+                raise ConfigError(f"pipeline.module_fqns_per_model_part has {stages} parts; "
+                                  f"pipeline.pp_schedule={p.pp_schedule} with mesh.pp_size={pp} "
+                                  f"needs {need}")
+        elif isinstance(layers, int):
+            try:
+                stages = count_stages(layers, pp, multi, v_shape, p.layers_per_stage,
+                                      p.round_virtual_stages_to_pp_multiple)
+            except ValueError as err:
+                raise ConfigError(str(err)) from None
+            if not multi and p.layers_per_stage is not None and p.layers_per_stage * pp != layers:
+                raise ConfigError(f"pipeline.layers_per_stage={p.layers_per_stage} x mesh.pp_size="
+                                  f"{pp} stages != the model's {layers} layers "
+                                  f"({p.pp_schedule} has one stage per rank)")
+        else:
+            stages = None
+    if isinstance(layers, int) and stages is not None and stages > layers:
+        raise ConfigError(f"pipeline.pp_schedule={p.pp_schedule} with mesh.pp_size={pp} needs "
+                          f"{stages} stages but the model has model.config.num_hidden_layers="
+                          f"{layers} (at least one layer per stage)")
     if numbers.get("tie_word_embeddings"):
         raise ConfigError("model.config.tie_word_embeddings=true with a pipeline: the embedding "
                           "(first stage) and LM head (last stage) cannot share a weight yet; "
                           "set it to false")
+    per_rank = trainer.global_batch_size // mesh.dp_size
+    m = (p.pp_batch_size or per_rank) // p.pp_microbatch_size
+    if name == "1f1b" and m < pp:
+        raise ConfigError(f"1f1b needs at least mesh.pp_size={pp} micro-batches, got {m} "
+                          "(pipeline.pp_batch_size / pipeline.pp_microbatch_size)")
+    if name == "dualpipev" and m < 2 * pp:
+        raise ConfigError(f"DualPipeV needs at least {2 * pp} micro-batches (its stage count), "
+                          f"got {m}")
+    rounds = max(1, m // pp)
+    if name in ("interleaved_1f1b", "dfs", "zero_bubble") and m % rounds:
+        raise ConfigError(f"{p.pp_schedule} needs the micro-batch count ({m}) to be a multiple of "
+                          f"its rounds (micro-batches // pp = {rounds}); use a multiple of "
+                          f"mesh.pp_size={pp}")
+    if stages is not None and m < stages:
+        log.warning("pipeline: %d micro-batches for %d stages leaves most ranks idle (a large "
+                    "bubble); use at least %d (pipeline.pp_microbatch_size smaller)", m, stages,
+                    stages)
 
 
 def check_pipeline(p: s.PipelineConfig, mesh: s.MeshConfig, trainer: s.TrainerConfig) -> None:
@@ -235,12 +263,10 @@ def check_pipeline(p: s.PipelineConfig, mesh: s.MeshConfig, trainer: s.TrainerCo
         raise ConfigError("pipeline=csv needs the schedule file: "
                           "pipeline.pp_schedule_csv=/path/to/schedule.csv")
     if p.pp_schedule_csv is None:
-        name = p.pp_schedule.lower()
-        if name not in PP_SCHEDULES and name not in TORCH_PP_SCHEDULES:
-            raise ConfigError(f"pipeline.pp_schedule={p.pp_schedule!r} is not a schedule; "
-                              f"allowed: {', '.join(PP_SCHEDULES)} (or torch's names: "
-                              "GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, "
-                              "ZBVZeroBubble, DualPipeV)")
+        try:
+            canonical_schedule(p.pp_schedule)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
     elif not os.path.isfile(p.pp_schedule_csv):
         raise ConfigError(f"pipeline.pp_schedule_csv={p.pp_schedule_csv!r}: no such file")
     _positive("pipeline.pp_microbatch_size", p.pp_microbatch_size)

@@ -5,7 +5,8 @@ import torch
 
 from automodel.config.schema import ModelConfig
 from automodel.distributed.pipelining.schedule import schedule_spec, stages_of_rank
-from automodel.distributed.pipelining.split import build_stage, count_stages, stage_layer_ranges
+from automodel.distributed.pipelining.layout import count_stages, stage_layer_ranges
+from automodel.distributed.pipelining.split import StageContents, build_stage, contents_from_fqns
 from automodel.models.builder import build_model
 
 
@@ -35,6 +36,8 @@ def test_loop_and_v_placement():
     assert schedule_spec("ZBVZeroBubble").v_placement
     with pytest.raises(ValueError, match="allowed"):
         schedule_spec("zigzag")
+    assert schedule_spec("DualPipeV").v_placement and schedule_spec("GPIPE").cls.__name__ == \
+        "ScheduleGPipe"
 
 
 def test_stages_keep_original_names_and_compose_to_the_model():
@@ -42,8 +45,8 @@ def test_stages_keep_original_names_and_compose_to_the_model():
                               "intermediate_size": 64, "num_hidden_layers": 4,
                               "num_attention_heads": 2, "num_key_value_heads": 2})
     model = build_model(cfg, seed=0)
-    first = build_stage(model, range(0, 3), True, False)
-    last = build_stage(model, range(3, 4), False, True)
+    first = build_stage(model, StageContents([0, 1, 2], embed=True, head=False))
+    last = build_stage(model, StageContents([3], embed=False, head=True))
     names = set(first.state_dict()) | set(last.state_dict())
     assert names == set(model.state_dict())  # every parameter on exactly one stage, same name
     assert "model.layers.3.mlp.up_proj.weight" in last.state_dict()
@@ -52,3 +55,23 @@ def test_stages_keep_original_names_and_compose_to_the_model():
     assert hidden._base is None  # a fresh tensor, never a view of the input
     expected = model(input_ids=ids, use_cache=False).logits
     torch.testing.assert_close(last(hidden), expected)
+
+
+def test_module_fqns_per_model_part():
+    cfg = ModelConfig(config={"model_type": "llama", "vocab_size": 64, "hidden_size": 32,
+                              "intermediate_size": 64, "num_hidden_layers": 4,
+                              "num_attention_heads": 2, "num_key_value_heads": 2})
+    model = build_model(cfg, seed=0)
+    parts = [["model.embed_tokens", "model.layers.0"], ["model.layers.1", "model.layers.2"],
+             ["model.layers.3", "model.norm", "lm_head"]]
+    contents = contents_from_fqns(model, parts)
+    assert [c.layers for c in contents] == [[0], [1, 2], [3]]
+    assert [(c.embed, c.head) for c in contents] == [(True, False), (False, False), (False, True)]
+    with pytest.raises(ValueError, match="'model.layers.9'"):
+        contents_from_fqns(model, [["model.embed_tokens", "model.layers.9"]])
+    with pytest.raises(ValueError, match="every decoder layer exactly once"):
+        contents_from_fqns(model, [["model.embed_tokens", "model.layers.0"],
+                                   ["model.layers.2", "model.norm", "lm_head"]])
+    with pytest.raises(ValueError, match="belong to the last part"):
+        contents_from_fqns(model, [["model.embed_tokens", "model.layers.0", "model.layers.1",
+                                    "lm_head"], ["model.layers.2", "model.layers.3"]])

@@ -5,28 +5,28 @@
 
 How the picture is made, without any process group:
 
-1. Per-rank action order. For the multi-stage schedules, torch computes ``pipeline_order``
-   (rank -> list of ``_Action``) inside the schedule's ``__init__`` from nothing but the
-   stages' ``num_stages``, ``stage_index``, ``group_rank`` and ``group_size``; we build the
-   schedule with tiny stand-in stage objects that carry just those. DualPipeV's
-   ``OVERLAP_F_B`` actions are split into their sub-actions, which torch's runtime runs one
-   after the other unless a custom overlap function is registered. The single-stage
-   schedules are also constructed (so torch's own argument checks run), but their order is
-   written out here from the textbook definitions, as that is what their ``step`` runs
-   (torch's ``Schedule1F1B.pipeline_order`` is only an illustration and, in torch 2.13, gives
-   the last rank micro-batches 1..m instead of 0..m-1):
+1. Per-rank action order. The multi-stage schedules compute ``pipeline_order`` (rank -> list
+   of ``_Action``) in ``__init__`` from the stages' ``num_stages``, ``stage_index``,
+   ``group_rank`` and ``group_size`` alone (``submod`` is only checked for torch.compile), so
+   we build them with tiny stand-in stage objects. DualPipeV's ``OVERLAP_F_B`` actions are
+   split into their sub-actions, which torch's runtime runs one after the other unless a
+   custom overlap function is registered. The single-stage schedules are constructed too
+   (so torch's argument checks run), but their order is written out here, as their ``step``
+   runs it (torch 2.13's ``Schedule1F1B.pipeline_order`` is only illustrative and gives the
+   last rank micro-batches 1..m instead of 0..m-1):
      GPipe: every forward, then every backward, in micro-batch order.
-     1F1B:  rank r runs min(m, pp - r) forwards, then alternates backward/forward, then the
-            remaining backwards.
-2. Timing. Each rank runs its actions in that order; an action starts as soon as the rank
-   is free and its inputs exist: F(s, m) after F(s-1, m); B or I (input grad) of (s, m) after
-   F(s, m) and after B/I of (s+1, m); W (weight grad) of (s, m) after I(s, m). Communication
-   is free. Costs in time units (``DURATIONS``): F = I = W = 1 and a full backward B = 2
-   (= I + W), i.e. backward costs twice a forward, the usual rule of thumb and the setting
-   under which the zero-bubble schedules are designed.
+     1F1B:  rank r runs min(m, pp - r) forwards, then alternates backward and forward, then
+            the remaining backwards.
+2. Timing. Each rank runs its actions in that order; an action starts once the rank is free
+   and its inputs exist: F(s, m) after F(s-1, m); B or I (input grad) of (s, m) after F(s, m)
+   and after B/I of (s+1, m); W (weight grad) of (s, m) after I(s, m). Communication is free.
+   Costs (``DURATIONS``): F = I = W = 1 unit and a full backward B = 2 (= I + W): backward
+   costs twice a forward, and F = I = W is what the zero-bubble schedules are designed for.
+   A unit is one *stage's* forward, so with v stages per rank it is 1/v of a single-stage
+   schedule's unit: compare bubble fractions, not makespans, across stage counts.
 3. Bubble fraction = idle / (busy + idle) over the makespan (time 0 to the last action's
-   end), per rank and summed over all ranks. For GPipe and 1F1B this model gives exactly
-   (pp - 1) / (m + pp - 1).
+   end), per rank and over all ranks. Every rank does the same work here, so the per-rank
+   values agree. For GPipe and 1F1B this model gives exactly (pp - 1) / (m + pp - 1).
 """
 
 from __future__ import annotations
@@ -69,7 +69,11 @@ class Timeline:
 
 def _torch_order(name: str, pp_size: int, n_microbatches: int, stages_per_rank: int | None):
     """(per-rank list of (kind, stage, microbatch) in run order, total stage count)."""
-    spec = schedule_spec(name)   # unknown name -> ValueError listing the allowed names
+    try:
+        spec = schedule_spec(name)
+    except ValueError:
+        raise ValueError(f"unknown schedule {name!r}; valid names: {', '.join(SCHEDULES)} "
+                         "(or torch's class names, e.g. Interleaved1F1B)") from None
     if pp_size < 1 or n_microbatches < 1:
         raise ValueError(f"pp_size ({pp_size}) and n_microbatches ({n_microbatches}) "
                          "must be >= 1")
@@ -216,7 +220,8 @@ def draw(timeline: Timeline, path: str) -> str:
 
     span, pp = timeline.makespan, timeline.pp_size
     unit_w = 0.42   # inches per time unit: room for a two-line "F0 / s1" label
-    fig, ax = plt.subplots(figsize=(max(8, span * unit_w + 2), 1.0 + 0.75 * pp + 1.2))
+    height = 1.6 + 0.75 * pp
+    fig, ax = plt.subplots(figsize=(max(8, span * unit_w + 2), height))
     for r, blocks in enumerate(timeline.ranks):
         for start, length in _idle_gaps(blocks, span):   # bubbles: hatched, empty
             ax.add_patch(plt.Rectangle((start, r - 0.4), length, 0.8, facecolor="white",
@@ -245,9 +250,8 @@ def draw(timeline: Timeline, path: str) -> str:
                for k in kinds]
     handles.append(Patch(facecolor="white", edgecolor="#BBBBBB", hatch="///",
                          label="idle (bubble)"))
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.22 - 0.1 / pp),
-              ncol=len(handles), frameon=False)
-    fig.tight_layout()
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), frameon=False)
+    fig.tight_layout(rect=(0, 0.4 / height, 1, 1))   # leave a strip for the legend
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 from torch.distributed.pipelining import schedules as S
 
+from automodel.distributed.pipelining.layout import SCHEDULE_SHAPES, canonical_schedule
+
 
 @dataclass(frozen=True)
 class ScheduleSpec:
@@ -29,7 +31,7 @@ class ScheduleSpec:
     v_placement: bool = False
 
 
-SCHEDULES = {
+SCHEDULES = {  # shapes must agree with layout.SCHEDULE_SHAPES
     "1f1b": ScheduleSpec(S.Schedule1F1B, False),
     "gpipe": ScheduleSpec(S.ScheduleGPipe, False),
     "interleaved_1f1b": ScheduleSpec(S.ScheduleInterleaved1F1B, True),
@@ -39,16 +41,10 @@ SCHEDULES = {
     "v_schedule": ScheduleSpec(S.ScheduleZBVZeroBubble, True, v_placement=True),
     "dualpipev": ScheduleSpec(S.ScheduleDualPipeV, True, v_placement=True),
 }
-_TORCH_NAMES = {"interleaved1f1b": "interleaved_1f1b", "loopedbfs": "looped_bfs",
-                "interleavedzerobubble": "zero_bubble", "zbvzerobubble": "v_schedule"}
 
 
 def schedule_spec(name: str) -> ScheduleSpec:
-    key = name.lower()
-    key = _TORCH_NAMES.get(key, key)
-    if key not in SCHEDULES:
-        raise ValueError(f"pipeline.pp_schedule={name!r}: allowed: {', '.join(SCHEDULES)}")
-    return SCHEDULES[key]
+    return SCHEDULES[canonical_schedule(name)]
 
 
 def stages_of_rank(pp_rank: int, pp_size: int, num_stages: int, v_placement: bool) -> list[int]:
@@ -57,3 +53,6 @@ def stages_of_rank(pp_rank: int, pp_size: int, num_stages: int, v_placement: boo
         assert num_stages == 2 * pp_size, "V schedules place exactly two stages per rank"
         return [pp_rank, 2 * pp_size - 1 - pp_rank]
     return list(range(pp_rank, num_stages, pp_size))
+
+
+assert {k: (v.multi_stage, v.v_placement) for k, v in SCHEDULES.items()} == SCHEDULE_SHAPES

@@ -10,31 +10,14 @@ states between stages.
 from __future__ import annotations
 
 import copy
+import re
 import types
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-
-def stage_layer_ranges(num_layers: int, num_stages: int,
-                       layers_per_stage: int | None = None) -> list[range]:
-    """Even split, remainder to the first stages; or a fixed number per stage."""
-    if layers_per_stage is not None:
-        if layers_per_stage * num_stages != num_layers:
-            raise ValueError(f"pipeline.layers_per_stage={layers_per_stage} x {num_stages} "
-                             f"stages != the model's {num_layers} layers")
-        sizes = [layers_per_stage] * num_stages
-    else:
-        if num_stages > num_layers:
-            raise ValueError(f"{num_stages} pipeline stages need at least as many layers; the "
-                             f"model has {num_layers}")
-        base, extra = divmod(num_layers, num_stages)
-        sizes = [base + (1 if i < extra else 0) for i in range(num_stages)]
-    ranges, start = [], 0
-    for size in sizes:
-        ranges.append(range(start, start + size))
-        start += size
-    return ranges
+from automodel.distributed.pipelining.layout import stage_layer_ranges
 
 
 def _inner_forward(self, hidden_or_ids: torch.Tensor) -> torch.Tensor:
@@ -66,15 +49,64 @@ def _causal_lm_forward(self, hidden_or_ids: torch.Tensor) -> torch.Tensor:
     return hidden if hidden._base is None and hidden is not hidden_or_ids else hidden.clone()
 
 
-def build_stage(model: nn.Module, layers: range, is_first: bool, is_last: bool,
-                patch_inner: bool = True, patch_causal_lm: bool = True) -> nn.Module:
-    """A pruned deep copy of ``model`` owning ``layers``."""
+@dataclass
+class StageContents:
+    layers: list  # original decoder-layer indices, in order
+    embed: bool  # the token embedding (first stage)
+    head: bool  # the final norm and LM head (last stage)
+
+
+def even_contents(num_layers: int, num_stages: int, layers_per_stage: int | None) -> list:
+    ranges = stage_layer_ranges(num_layers, num_stages, layers_per_stage)
+    return [StageContents(list(r), i == 0, i == num_stages - 1) for i, r in enumerate(ranges)]
+
+
+def contents_from_fqns(model: nn.Module, fqns_per_part: list) -> list:
+    """``pipeline.module_fqns_per_model_part`` -> stage contents, checked against the model."""
+    prefix = model.base_model_prefix
+    inner = getattr(model, prefix)
+    num_layers = len(inner.layers)
+    head_fqn = next(n for n, m in model.named_modules() if m is model.get_output_embeddings())
+    embed, norm = f"{prefix}.embed_tokens", f"{prefix}.norm"
+    layer_fqn = re.compile(rf"^{re.escape(prefix)}\.layers\.(\d+)$")
+    contents, seen = [], []
+    for i, fqns in enumerate(fqns_per_part):
+        stage = StageContents([], False, False)
+        for fqn in fqns:
+            m = layer_fqn.match(fqn)
+            if m and int(m.group(1)) < num_layers:
+                stage.layers.append(int(m.group(1)))
+            elif fqn == embed:
+                stage.embed = True
+            elif fqn in (norm, head_fqn):
+                stage.head = True
+            elif fqn != f"{prefix}.rotary_emb":
+                raise ValueError(f"pipeline.module_fqns_per_model_part[{i}] names {fqn!r}, which "
+                                 f"is not a part of {type(model).__name__} that can be placed "
+                                 f"(allowed: {embed}, {prefix}.layers.<0..{num_layers - 1}>, "
+                                 f"{norm}, {head_fqn})")
+        seen += stage.layers
+        contents.append(stage)
+    if sorted(seen) != list(range(num_layers)) or seen != sorted(seen):
+        raise ValueError("pipeline.module_fqns_per_model_part must place every decoder layer "
+                         f"exactly once and in order; it places {seen}")
+    if not contents[0].embed or any(c.embed for c in contents[1:]):
+        raise ValueError(f"pipeline.module_fqns_per_model_part: {embed} belongs to the first part")
+    if not contents[-1].head or any(c.head for c in contents[:-1]):
+        raise ValueError(f"pipeline.module_fqns_per_model_part: {norm} and {head_fqn} belong to "
+                         "the last part")
+    return contents
+
+
+def build_stage(model: nn.Module, contents: StageContents, patch_inner: bool = True,
+                patch_causal_lm: bool = True) -> nn.Module:
+    """A pruned deep copy of ``model`` holding only ``contents``."""
     stage = copy.deepcopy(model)
     inner = getattr(stage, stage.base_model_prefix)
-    inner.layers = nn.ModuleDict({str(i): inner.layers[i] for i in layers})
-    if not is_first:
+    inner.layers = nn.ModuleDict({str(i): inner.layers[i] for i in contents.layers})
+    if not contents.embed:
         inner.embed_tokens = None
-    if not is_last:
+    if not contents.head:
         inner.norm = None
         stage.lm_head = None
     if patch_inner:
@@ -82,26 +114,3 @@ def build_stage(model: nn.Module, layers: range, is_first: bool, is_last: bool,
     if patch_causal_lm:
         stage.forward = types.MethodType(_causal_lm_forward, stage)
     return stage
-
-
-def count_stages(num_layers: int, pp_size: int, multi_stage: bool, v_placement: bool,
-                 layers_per_stage: int | None, rounding: str | None) -> int:
-    """How many stages in total: one per rank, two per rank for V schedules, otherwise
-    ``num_layers / layers_per_stage`` (optionally rounded to a multiple of pp) or 2 per rank."""
-    if not multi_stage:
-        return pp_size
-    if v_placement:
-        return 2 * pp_size
-    if layers_per_stage is None:
-        return 2 * pp_size
-    stages = max(1, num_layers // layers_per_stage)
-    if stages % pp_size:
-        if rounding == "up":
-            stages = -(-stages // pp_size) * pp_size
-        elif rounding == "down":
-            stages = max(pp_size, stages // pp_size * pp_size)
-        else:
-            raise ValueError(f"{stages} virtual stages (from pipeline.layers_per_stage="
-                             f"{layers_per_stage}) is not a multiple of mesh.pp_size={pp_size}; "
-                             "set pipeline.round_virtual_stages_to_pp_multiple=up or down")
-    return stages

@@ -7,31 +7,34 @@ from torch.distributed.pipelining import PipelineStage
 
 from automodel.distributed.pipelining.csv_schedule import read_csv_layout
 from automodel.distributed.pipelining.schedule import schedule_spec, stages_of_rank
-from automodel.distributed.pipelining.split import build_stage, count_stages, stage_layer_ranges
+from automodel.distributed.pipelining.layout import count_stages
+from automodel.distributed.pipelining.split import build_stage, contents_from_fqns, even_contents
 
 
 def split_model(model: nn.Module, pipeline, pp_rank: int, pp_size: int):
     """(stage modules of this rank, their stage indices, total stage count)."""
-    inner = getattr(model, model.base_model_prefix)
-    num_layers = len(inner.layers)
+    num_layers = len(getattr(model, model.base_model_prefix).layers)
     if pipeline.module_fqns_per_model_part is not None:
-        raise ValueError("pipeline.module_fqns_per_model_part is not supported yet")
+        contents = contents_from_fqns(model, pipeline.module_fqns_per_model_part)
+        num_stages = len(contents)
     if pipeline.pp_schedule_csv is not None:  # the CSV says which stages each rank runs
         layout = read_csv_layout(pipeline.pp_schedule_csv)
         num_stages, mine = layout.num_stages, layout.stages_by_rank[pp_rank]
     else:
         spec = schedule_spec(pipeline.pp_schedule)
-        num_stages = count_stages(num_layers, pp_size, spec.multi_stage, spec.v_placement,
-                                  pipeline.layers_per_stage,
-                                  pipeline.round_virtual_stages_to_pp_multiple)
+        if pipeline.module_fqns_per_model_part is None:
+            num_stages = count_stages(num_layers, pp_size, spec.multi_stage, spec.v_placement,
+                                      pipeline.layers_per_stage,
+                                      pipeline.round_virtual_stages_to_pp_multiple)
         mine = stages_of_rank(pp_rank, pp_size, num_stages, spec.v_placement)
-    # layers_per_stage fixes the split when it tiles the model exactly; after rounding the
-    # stage count to a multiple of pp, the layers are spread evenly instead.
-    per_stage = pipeline.layers_per_stage
-    exact = per_stage if per_stage and per_stage * num_stages == num_layers else None
-    ranges = stage_layer_ranges(num_layers, num_stages, exact)
-    parts = [build_stage(model, ranges[i], i == 0, i == num_stages - 1,
-                         pipeline.patch_inner_model, pipeline.patch_causal_lm_model) for i in mine]
+    if pipeline.module_fqns_per_model_part is None:
+        # layers_per_stage fixes the split when it tiles the model exactly; after rounding the
+        # stage count to a multiple of pp, the layers are spread evenly instead.
+        per_stage = pipeline.layers_per_stage
+        exact = per_stage if per_stage and per_stage * num_stages == num_layers else None
+        contents = even_contents(num_layers, num_stages, exact)
+    parts = [build_stage(model, contents[i], pipeline.patch_inner_model,
+                         pipeline.patch_causal_lm_model) for i in mine]
     return parts, mine, num_stages
 
 
