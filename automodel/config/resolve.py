@@ -126,7 +126,7 @@ def resolve(cfg, env: Optional[Mapping[str, str]] = None, output_dir: str = ".",
         mp_policy = resolve_policy("parallelism.mp_policy", par.mp_policy)
         offload_policy = resolve_policy("parallelism.offload_policy", par.offload_policy)
     if pipeline is not None:
-        check_pipeline(pipeline, mesh, trainer)
+        check_pipeline(pipeline, mesh, trainer, par)
     model = build(s.ModelConfig, plain["model"], "model")
     check_dtype("model.dtype", model.dtype, allow_none=False)
     if strategy in ("fsdp2", "megatron_fsdp"):

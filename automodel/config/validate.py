@@ -258,7 +258,8 @@ def check_pipeline_model(p: s.PipelineConfig, mesh: s.MeshConfig, model: s.Model
                     stages)
 
 
-def check_pipeline(p: s.PipelineConfig, mesh: s.MeshConfig, trainer: s.TrainerConfig) -> None:
+def check_pipeline(p: s.PipelineConfig, mesh: s.MeshConfig, trainer: s.TrainerConfig,
+                   par) -> None:
     if p.pp_schedule_csv is None and p.pp_schedule == "csv":
         raise ConfigError("pipeline=csv needs the schedule file: "
                           "pipeline.pp_schedule_csv=/path/to/schedule.csv")
@@ -273,6 +274,16 @@ def check_pipeline(p: s.PipelineConfig, mesh: s.MeshConfig, trainer: s.TrainerCo
     _positive("pipeline.pp_batch_size", p.pp_batch_size)
     _positive("pipeline.layers_per_stage", p.layers_per_stage)
     _positive("pipeline.pp_seq_len", p.pp_seq_len)
+    if p.pp_seq_len is not None and p.pp_seq_len != trainer.seq_len:
+        raise ConfigError(f"pipeline.pp_seq_len={p.pp_seq_len} must equal trainer.seq_len="
+                          f"{trainer.seq_len} (every batch has that length), or be null")
+    if p.pp_seq_len is not None and getattr(par, "autocast_dtype", None) is not None:
+        raise ConfigError("pipeline.pp_seq_len (static stage shapes) with "
+                          "parallelism.autocast_dtype: activation dtypes vary under autocast; "
+                          "set pipeline.pp_seq_len=null to infer shapes at run time")
+    if p.loss_fn is not None and ("." not in p.loss_fn or p.loss_fn.endswith(".")):
+        raise ConfigError(f"pipeline.loss_fn={p.loss_fn!r}: an import path looks like "
+                          "'package.module.function' (returning the loss summed over tokens)")
     _positive("pipeline.pp_recv_buffer_pool_slack", p.pp_recv_buffer_pool_slack, 0)
     check_dtype("pipeline.dtype", p.dtype)
     if p.round_virtual_stages_to_pp_multiple not in (None, "up", "down"):

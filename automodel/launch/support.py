@@ -31,12 +31,7 @@ def check_runtime_support(cfg: TrainConfig) -> None:
 
 
 # Pipeline options whose runtime has not landed yet, with the value that means "unused".
-_PIPELINE_NOT_YET = {
-    "pp_recv_buffer_pool": False, "module_fqns_per_model_part": None,
-    "pp_seq_len": None, "dtype": None, "loss_fn": None,
-    "patch_stage_backward_maybe_with_nosync": False, "patch_inner_model": True,
-    "patch_causal_lm_model": True,
-}
+_PIPELINE_NOT_YET = {"pp_recv_buffer_pool": False}
 
 
 def _check_pipeline_support(pipeline) -> None:

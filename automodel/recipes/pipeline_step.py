@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from automodel.distributed.mesh import MeshAxis
-from automodel.distributed.pipelining.stages import PipelineLoss, build_schedule
+from automodel.distributed.pipelining.stages import PipelineLoss, build_schedule, load_loss_fn
 from automodel.distributed.setup import DistributedSetup
 from automodel.recipes.step import count_global_tokens, grad_norm_and_clip
 
@@ -22,10 +22,30 @@ class PipelineStep:
         self.has_first = 0 in parallel.stage_ids
         self.has_last = parallel.num_stages - 1 in parallel.stage_ids
         self.pp_group = setup.mesh[MeshAxis.PP].get_group()
-        self.loss = PipelineLoss()
+        self.loss = PipelineLoss(load_loss_fn(p.loss_fn))
+        shapes = (p.pp_seq_len, self._activation_dtype()) if p.pp_seq_len else None
+        if setup.autocast_dtype is not None:
+            for part in self.parts:
+                _forward_under_autocast(part, setup.device.type, setup.autocast_dtype)
         self.schedule = build_schedule(self.parts, parallel.stage_ids, parallel.num_stages, p,
                                        setup.device, self.pp_group, self.n_microbatches,
-                                       self.loss)
+                                       self.loss, shapes)
+        self._defer_reduce = False
+        if p.patch_stage_backward_maybe_with_nosync:
+            for stage in _stages_of(self.schedule):
+                _defer_fsdp_reduce(stage, self)
+
+    def _activation_dtype(self) -> torch.dtype:
+        """What flows between stages: pipeline.dtype, else FSDP2's parameter dtype, else the
+        model's."""
+        p, setup = self.setup.pipeline, self.setup
+        if p.dtype is not None:
+            return getattr(torch, p.dtype)
+        if setup.strategy == "fsdp2" and setup.mp_policy is not None:
+            name = setup.mp_policy.kwargs.get("param_dtype")
+            if name is not None:
+                return getattr(torch, name)
+        return next(self.parts[0].parameters()).dtype
 
     def __call__(self, micro_batches, optimizer, max_grad_norm):
         setup = self.setup
@@ -35,7 +55,10 @@ class PipelineStep:
         losses: list = []  # the scaled loss of each micro-batch, on the last stage
         inputs = torch.cat([x for x, _ in micro_batches]).to(setup.device)
         labels = torch.cat([y for _, y in micro_batches]).to(setup.device)
-        for chunk in range(0, inputs.shape[0], self.batch):
+        chunks = range(0, inputs.shape[0], self.batch)
+        for chunk in chunks:
+            # with the no-sync patch, gradients are reduced after the last chunk only
+            self._defer_reduce = chunk != chunks[-1]
             args = (inputs[chunk:chunk + self.batch],) if self.has_first else ()
             target = labels[chunk:chunk + self.batch] if self.has_last else None
             chunk_losses: list = []  # the schedule refills this list on every call
@@ -54,3 +77,30 @@ class PipelineStep:
         if setup.dp_group is not None:
             dist.all_reduce(loss_sum, group=setup.dp_group)
         return float(loss_sum.item()) / global_tokens, grad_norm, global_tokens
+
+
+def _forward_under_autocast(part, device_type: str, dtype: torch.dtype) -> None:
+    forward = part.forward
+
+    def autocast_forward(*args, **kwargs):
+        with torch.autocast(device_type=device_type, dtype=dtype):
+            return forward(*args, **kwargs)
+
+    part.forward = autocast_forward
+
+
+def _stages_of(schedule) -> list:
+    return list(getattr(schedule, "_stages", None) or [schedule._stage])
+
+
+def _defer_fsdp_reduce(stage, step: PipelineStep) -> None:
+    """pipeline.patch_stage_backward_maybe_with_nosync: when one optimizer step runs several
+    schedule steps (pp_batch_size < the per-rank batch), keep FSDP's gradients unreduced
+    until the last one instead of reduce-scattering after each."""
+    reduce = stage.perform_reduce_grad
+
+    def maybe_reduce(grad_scale_factor):
+        if not step._defer_reduce:
+            reduce(grad_scale_factor)
+
+    stage.perform_reduce_grad = maybe_reduce

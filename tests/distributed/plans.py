@@ -12,3 +12,10 @@ def attention_only(model):
     assert model.config.num_hidden_layers == 4
     return {"layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.k_proj": "colwise",
             "layers.*.self_attn.v_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise"}
+
+
+def summed_ce_times_two(logits, labels):
+    """A pipeline.loss_fn for tests: twice the summed token cross-entropy."""
+    import torch.nn.functional as F
+
+    return 2.0 * F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="sum")

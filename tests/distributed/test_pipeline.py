@@ -42,3 +42,51 @@ def test_csv_schedule_matches_single_process(stages_per_rank, comms, reference, 
                               stages_per_rank=stages_per_rank, comms=comms)
     records = train(PP + ["pipeline=csv", f"pipeline.pp_schedule_csv={path}"], tmp_path)
     assert_matches(records, reference())
+
+
+@pytest.mark.parametrize("name,overrides", [
+    ("static_shapes", ["pipeline=1f1b", "pipeline.pp_seq_len=32"]),
+    ("static_shapes_interleaved", ["pipeline=interleaved", "pipeline.pp_seq_len=32"]),
+    ("explicit_parts", ["pipeline=1f1b", "pipeline.module_fqns_per_model_part=[[model.embed_tokens,"
+                        "model.layers.0],[model.layers.1,model.layers.2,model.layers.3,"
+                        "model.norm,lm_head]]"]),
+    ("layers_per_stage_rounded", ["pipeline=interleaved", "pipeline.layers_per_stage=3",
+                                  "pipeline.round_virtual_stages_to_pp_multiple=up"]),
+    ("nosync_over_two_schedule_steps_fsdp_dp2",
+     ["pipeline=gpipe", "mesh.dp_size=2", "pipeline.pp_batch_size=2",
+      "pipeline.pp_microbatch_size=1", "pipeline.patch_stage_backward_maybe_with_nosync=true"]),
+    ("dualpipev", ["pipeline=1f1b", "pipeline.pp_schedule=DualPipeV",
+                   "pipeline.pp_microbatch_size=1"]),
+])
+def test_more_pipeline_options_keep_parity(name, overrides, reference, tmp_path):
+    assert_matches(train(PP + overrides, tmp_path), reference())
+
+
+def test_custom_loss_fn_drives_the_gradients(reference, tmp_path):
+    # Twice the loss: reported loss doubles; Adam is scale-invariant, so the trajectory of the
+    # true loss stays that of the reference (to Adam's epsilon).
+    records = train(PP + ["pipeline=1f1b", "pipeline.loss_fn=tests.distributed.plans."
+                          "summed_ce_times_two"], tmp_path)
+    ref = reference()
+    for r, q in zip(records, ref):
+        assert abs(r["loss"] - 2 * q["loss"]) < 1e-4 * q["loss"]
+        assert abs(r["grad_norm"] - 2 * q["grad_norm"]) < 1e-3 * q["grad_norm"]
+
+
+def test_pipeline_dtype_bfloat16_is_close_to_fp32(reference, tmp_path):
+    import numpy as np
+
+    records = train(PP + ["pipeline=1f1b", "pipeline.dtype=bfloat16", "pipeline.pp_seq_len=32",
+                          "parallelism.mp_policy=null"], tmp_path)
+    losses, ref = np.array([r["loss"] for r in records]), np.array([r["loss"] for r in reference()])
+    np.testing.assert_allclose(losses, ref, rtol=3e-2)
+    assert not np.allclose(losses, ref, rtol=1e-5), "the stages must really compute in bf16"
+
+
+def test_pipeline_with_autocast_is_close_to_fp32(reference, tmp_path):
+    import numpy as np
+
+    records = train(PP + ["pipeline=1f1b", "parallelism.autocast_dtype=bfloat16"], tmp_path)
+    losses, ref = np.array([r["loss"] for r in records]), np.array([r["loss"] for r in reference()])
+    np.testing.assert_allclose(losses, ref, rtol=2e-2)
+    assert not np.allclose(losses, ref, rtol=1e-6), "autocast must actually run in bf16"

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
+
+import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
@@ -35,28 +39,69 @@ def split_model(model: nn.Module, pipeline, pp_rank: int, pp_size: int):
         contents = even_contents(num_layers, num_stages, exact)
     parts = [build_stage(model, contents[i], pipeline.patch_inner_model,
                          pipeline.patch_causal_lm_model) for i in mine]
+    if pipeline.dtype is not None:  # the pipeline computes (and communicates) in this dtype
+        parts = [part.to(getattr(torch, pipeline.dtype)) for part in parts]
     return parts, mine, num_stages
 
 
-class PipelineLoss:
-    """The last stage's loss per micro-batch: summed token cross-entropy times ``scale``
-    (set by the runner each step so gradients match the unpipelined step)."""
+def summed_cross_entropy(logits, labels):
+    """The default pipeline loss: token cross-entropy summed over the micro-batch."""
+    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100,
+                           reduction="sum")
 
-    def __init__(self):
+
+class PipelineLoss:
+    """The last stage's loss per micro-batch times ``scale`` (set by the runner each step so
+    gradients match the unpipelined step). ``fn(logits, labels)`` must return the loss summed
+    over the micro-batch's tokens (``pipeline.loss_fn`` replaces the default)."""
+
+    def __init__(self, fn=summed_cross_entropy):
+        self.fn = fn
         self.scale = 1.0
 
     def __call__(self, logits, labels):
-        import torch.nn.functional as F
+        return self.fn(logits, labels) * self.scale
 
-        total = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
-                                ignore_index=-100, reduction="sum")
-        return total * self.scale
+
+def load_loss_fn(path: str | None):
+    if path is None:
+        return summed_cross_entropy
+    module, _, name = path.rpartition(".")
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError) as err:
+        raise ValueError(f"pipeline.loss_fn={path!r}: cannot import it ({err})") from None
+    if not callable(fn):
+        raise ValueError(f"pipeline.loss_fn={path!r} is not callable")
+    return fn
+
+
+def example_args(part: nn.Module, stage_id: int, num_stages: int, microbatch: int,
+                 seq_len: int, dtype: torch.dtype, device):
+    """Input and output examples of a stage, so PipelineStage skips runtime shape inference."""
+    cfg = part.config
+
+    def activation(*shape):  # activations carry gradients back: examples must say so
+        return torch.empty(*shape, dtype=dtype, device=device, requires_grad=True)
+
+    inputs = (torch.zeros(microbatch, seq_len, dtype=torch.long, device=device)
+              if stage_id == 0 else activation(microbatch, seq_len, cfg.hidden_size))
+    outputs = (activation(microbatch, seq_len, cfg.vocab_size) if stage_id == num_stages - 1
+               else activation(microbatch, seq_len, cfg.hidden_size))
+    return inputs, outputs
 
 
 def build_schedule(parts, stage_ids, num_stages, pipeline, device, pp_group, n_microbatches,
-                   loss: PipelineLoss):
-    stages = [PipelineStage(part, sid, num_stages, device, group=pp_group)
-              for part, sid in zip(parts, stage_ids)]
+                   loss: PipelineLoss, shapes: tuple | None = None):
+    """``shapes``: (seq_len, activation dtype) for static shapes; None = infer at run time."""
+    stages = []
+    for part, sid in zip(parts, stage_ids):
+        examples = {}
+        if shapes is not None:
+            inputs, outputs = example_args(part, sid, num_stages, pipeline.pp_microbatch_size,
+                                           shapes[0], shapes[1], device)
+            examples = {"input_args": inputs, "output_args": outputs}
+        stages.append(PipelineStage(part, sid, num_stages, device, group=pp_group, **examples))
     kwargs = dict(n_microbatches=n_microbatches, loss_fn=loss,
                   scale_grads=pipeline.scale_grads_in_schedule)
     if pipeline.pp_schedule_csv is not None:
