@@ -31,7 +31,7 @@ def check_runtime_support(cfg: TrainConfig) -> None:
 
 
 # Pipeline options whose runtime has not landed yet, with the value that means "unused".
-_PIPELINE_NOT_YET = {"pp_recv_buffer_pool": False}
+_PIPELINE_NOT_YET: dict = {}
 
 
 def _check_pipeline_support(pipeline) -> None:

@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.distributed as dist
 
 from automodel.distributed.mesh import MeshAxis
+from automodel.distributed.pipelining.buffer_pool import (
+    install_recv_buffer_pool,
+    recv_buffer_bytes,
+    ring_size,
+)
+from automodel.distributed.pipelining.layout import canonical_schedule
 from automodel.distributed.pipelining.stages import PipelineLoss, build_schedule, load_loss_fn
 from automodel.distributed.setup import DistributedSetup
 from automodel.recipes.step import count_global_tokens, grad_norm_and_clip
+
+
+log = logging.getLogger(__name__)
 
 
 class PipelineStep:
@@ -30,10 +41,30 @@ class PipelineStep:
         self.schedule = build_schedule(self.parts, parallel.stage_ids, parallel.num_stages, p,
                                        setup.device, self.pp_group, self.n_microbatches,
                                        self.loss, shapes)
+        if p.pp_recv_buffer_pool:
+            self._pool_receive_buffers(parallel.num_stages)
         self._defer_reduce = False
         if p.patch_stage_backward_maybe_with_nosync:
             for stage in _stages_of(self.schedule):
                 _defer_fsdp_reduce(stage, self)
+
+    def _pool_receive_buffers(self, num_stages: int) -> None:
+        p = self.setup.pipeline
+        if p.pp_schedule_csv is not None or canonical_schedule(p.pp_schedule) != "1f1b":
+            log.warning("pipeline.pp_recv_buffer_pool applies to the 1f1b schedule only; "
+                        "ignored for %s", p.pp_schedule_csv or p.pp_schedule)
+            return
+        for stage in _stages_of(self.schedule):
+            install_recv_buffer_pool(stage, ring_size(num_stages, stage.stage_index,
+                                                      self.n_microbatches,
+                                                      p.pp_recv_buffer_pool_slack))
+
+    def recv_buffer_bytes(self) -> int:
+        """Receive-buffer bytes of the whole pipeline (all stages, summed over pp ranks)."""
+        t = torch.tensor([float(sum(recv_buffer_bytes(s) for s in _stages_of(self.schedule)))],
+                         dtype=torch.float64, device=self.setup.device)
+        dist.all_reduce(t, group=self.pp_group)
+        return int(t.item())
 
     def _activation_dtype(self) -> torch.dtype:
         """What flows between stages: pipeline.dtype, else FSDP2's parameter dtype, else the

@@ -142,6 +142,8 @@ def _train(cfg: TrainConfig, info: DistInfo, output_dir: str) -> list[dict]:
                 record = {"step": number, "loss": loss, "grad_norm": grad_norm, "lr": lr,
                           "tokens_per_second": window_tokens / max(elapsed, 1e-9),
                           "peak_memory_bytes": _peak_memory_bytes(info)}
+                if pipeline is not None:
+                    record["pp_recv_buffer_bytes"] = pipeline.recv_buffer_bytes()
                 records.append(record)
                 metrics.write(record)
                 log.info("step %d/%d  loss %.4f  grad_norm %.3f  lr %.2e  %.0f tok/s  peak %.0f MiB",

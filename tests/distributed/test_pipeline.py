@@ -90,3 +90,26 @@ def test_pipeline_with_autocast_is_close_to_fp32(reference, tmp_path):
     losses, ref = np.array([r["loss"] for r in records]), np.array([r["loss"] for r in reference()])
     np.testing.assert_allclose(losses, ref, rtol=2e-2)
     assert not np.allclose(losses, ref, rtol=1e-6), "autocast must actually run in bf16"
+
+
+def test_recv_buffer_pool_gives_identical_losses_and_predicted_memory(tmp_path):
+    # 8 micro-batches, pp=2, slack 2: stage 0 pools its gradient buffers in 2-0+2 = 4 sets,
+    # stage 1 its activation buffers in 2-1+2 = 3; unpooled, each has 8.
+    base = PP + ["pipeline=1f1b", "pipeline.pp_microbatch_size=1"]
+    plain = train(base, tmp_path / "plain")
+    pooled = train(base + ["pipeline.pp_recv_buffer_pool=true"], tmp_path / "pooled")
+    assert [r["loss"] for r in pooled] == [r["loss"] for r in plain]  # bit for bit
+    assert [r["grad_norm"] for r in pooled] == [r["grad_norm"] for r in plain]
+    ratio = pooled[-1]["pp_recv_buffer_bytes"] / plain[-1]["pp_recv_buffer_bytes"]
+    assert ratio == (4 + 3) / (8 + 8)
+    smaller_slack = train(base + ["pipeline.pp_recv_buffer_pool=true",
+                                  "pipeline.pp_recv_buffer_pool_slack=0"], tmp_path / "slack0")
+    assert smaller_slack[-1]["pp_recv_buffer_bytes"] / plain[-1]["pp_recv_buffer_bytes"] == \
+        (2 + 1) / 16
+    assert [r["loss"] for r in smaller_slack] == [r["loss"] for r in plain]
+
+
+def test_recv_buffer_pool_is_ignored_with_a_warning_for_other_schedules(reference, tmp_path):
+    records = train(PP + ["pipeline=interleaved", "pipeline.pp_recv_buffer_pool=true"], tmp_path)
+    assert_matches(records, reference())
+    assert "applies to the 1f1b schedule only" in (tmp_path / "train.log").read_text()
