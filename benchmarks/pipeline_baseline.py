@@ -5,7 +5,9 @@ schedule on 2 pipeline stages (one per rank) and 8 micro-batches per step: once 
 ``automodel.api.run`` with ``pipeline=1f1b`` and once through ``baseline_loop`` below, which
 splits the Hugging Face model into two stages by hand and drives
 ``torch.distributed.pipelining.Schedule1F1B`` directly. It prints the median step time of
-both, their ratio (automodel / baseline) and both final losses as a sanity check.
+both, their ratio (automodel / baseline) and both final losses as a sanity check. Then it
+measures the receive-buffer memory of automodel's pipeline with and without
+``pipeline.pp_recv_buffer_pool`` against the predicted ratio.
 
     python benchmarks/pipeline_baseline.py [--steps 30] [--hidden 128] [--json out.json]
 
@@ -214,6 +216,30 @@ def compare(args, threads: int) -> dict:
     return result
 
 
+def measure_recv_pool(args) -> dict:
+    """Receive-buffer bytes of automodel's 1F1B pipeline without and with
+    ``pipeline.pp_recv_buffer_pool``, against the predicted ratio: stage i keeps
+    ring_i = min(m, pp - i + slack) buffer sets instead of m; the first stage only receives
+    gradients, the last only activations (same shape), middle stages both."""
+    from automodel.api import run
+    from automodel.distributed.pipelining.buffer_pool import ring_size
+
+    overrides = build_overrides(args) + ["trainer.max_steps=2"]
+    measured = {}
+    for pooled in (False, True):
+        with tempfile.TemporaryDirectory() as out:
+            records = run(overrides + [f"pipeline.pp_recv_buffer_pool={str(pooled).lower()}",
+                                       f"pipeline.pp_recv_buffer_pool_slack={args.slack}"],
+                          output_dir=out)
+        measured[pooled] = records[-1]["pp_recv_buffer_bytes"]
+    m, pp = args.microbatches, NPROC
+    kinds = [1 if i in (0, pp - 1) else 2 for i in range(pp)]
+    predicted = (sum(k * ring_size(pp, i, m, args.slack) for i, k in enumerate(kinds))
+                 / sum(k * m for k in kinds))
+    return {"bytes_unpooled": measured[False], "bytes_pooled": measured[True],
+            "ratio": measured[True] / measured[False], "predicted_ratio": predicted}
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=30)
@@ -229,6 +255,7 @@ def main(argv=None) -> None:
                    help="extra Hydra override for automodel (repeatable); model/data/optim/"
                         "trainer values reach the baseline too, parallelism and pipeline "
                         "options do not")
+    p.add_argument("--slack", type=int, default=2, help="pipeline.pp_recv_buffer_pool_slack")
     p.add_argument("--json", metavar="PATH", help="also write the numbers here")
     args = p.parse_args(argv)
     if args.steps <= args.warmup or args.repeats < 1:
@@ -256,10 +283,16 @@ def main(argv=None) -> None:
     print(f"{'1f1b':<8} {a['step_time_s'] * 1e3:>12.1f} {b['step_time_s'] * 1e3:>12.1f} "
           f"{result['step_time_ratio']:>10.3f} {a['final_loss']:>10.5f} "
           f"{b['final_loss']:>10.5f} {'yes' if ok else 'NO':>7}")
+    pool = measure_recv_pool(args)
+    print(f"\nreceive buffers (all stages): {pool['bytes_unpooled'] / 1024:.0f} KiB unpooled, "
+          f"{pool['bytes_pooled'] / 1024:.0f} KiB with pipeline.pp_recv_buffer_pool "
+          f"(slack {args.slack}): ratio {pool['ratio']:.4f}, predicted "
+          f"{pool['predicted_ratio']:.4f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"torch": torch.__version__, "nproc": NPROC, "threads": threads,
-                       "args": vars(args), "result": result}, f, indent=2)
+                       "args": vars(args), "result": result, "recv_buffer_pool": pool},
+                      f, indent=2)
         print(f"wrote {args.json}")
 
 
