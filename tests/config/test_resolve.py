@@ -337,3 +337,10 @@ def test_compile_with_tp_turns_on_sequence_parallel(caplog):
     with caplog.at_level(logging.WARNING):
         c = cfg("parallelism=fsdp2", "mesh.tp_size=2", "parallelism.enable_compile=true")
     assert c.parallelism.sequence_parallel is True and "compiled TP layers" in caplog.text
+
+
+def test_few_micro_batches_warn_about_the_bubble(caplog):
+    with caplog.at_level(logging.WARNING):
+        cfg("parallelism=fsdp2", "pipeline=interleaved", "trainer.global_batch_size=2",
+            "pipeline.pp_microbatch_size=1")
+    assert "2 micro-batches for 4 stages" in caplog.text and "bubble" in caplog.text

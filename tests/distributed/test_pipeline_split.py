@@ -75,3 +75,15 @@ def test_module_fqns_per_model_part():
     with pytest.raises(ValueError, match="belong to the last part"):
         contents_from_fqns(model, [["model.embed_tokens", "model.layers.0", "model.layers.1",
                                     "lm_head"], ["model.layers.2", "model.layers.3"]])
+
+
+def test_forward_patches_can_be_turned_off():
+    cfg = ModelConfig(config={"model_type": "llama", "vocab_size": 64, "hidden_size": 32,
+                              "intermediate_size": 64, "num_hidden_layers": 2,
+                              "num_attention_heads": 2, "num_key_value_heads": 2})
+    model = build_model(cfg, seed=0)
+    stage = build_stage(model, StageContents([0, 1], embed=True, head=True),
+                        patch_inner=False, patch_causal_lm=False)
+    assert "forward" not in vars(stage) and "forward" not in vars(stage.model)  # the model's own
+    patched = build_stage(model, StageContents([0, 1], embed=True, head=True))
+    assert "forward" in vars(patched) and "forward" in vars(patched.model)
