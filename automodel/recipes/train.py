@@ -18,7 +18,7 @@ from automodel.config.resolve import TrainConfig
 from automodel.data.batches import BatchPlan
 from automodel.data.sources import token_sequences
 from automodel.distributed.init import DistInfo, destroy_distributed, init_distributed
-from automodel.distributed.mesh import build_mesh
+from automodel.distributed.mesh import MeshAxis, build_mesh
 from automodel.distributed.patches import patch_is_packed_sequence
 from automodel.distributed.setup import DistributedSetup
 from automodel.models.builder import build_model
@@ -116,12 +116,16 @@ def _train(cfg: TrainConfig, info: DistInfo, output_dir: str) -> list[dict]:
     t = cfg.trainer
     plan = BatchPlan(token_sequences(cfg.data_source, cfg.data, t.seq_len, vocab),
                      t.global_batch_size, t.seed)
-    log.info("automodel: %s on %d rank(s) (dp=%d), %s with %.2fM parameters, %d steps of %d x %d "
-             "tokens, %d micro-batch(es) per rank per step; output in %s", cfg.strategy,
-             info.world_size, setup.dp_size, type(model).__name__, n_params / 1e6, t.max_steps,
-             t.global_batch_size, t.seq_len, cfg.grad_accum_steps, output_dir)
     pipeline = (PipelineStep(parallel, setup, t.global_batch_size // setup.dp_size)
                 if setup.pp_enabled else None)
+    micro = (f"{parallel.num_stages} pipeline stages, {pipeline.n_microbatches} micro-batches "
+             "per schedule step" if pipeline is not None else
+             f"{cfg.grad_accum_steps} micro-batch(es) per rank per step")
+    log.info("automodel: %s on %d rank(s) (dp=%d, tp=%d, pp=%d), %s with %.2fM parameters, "
+             "%d steps of %d x %d tokens, %s; output in %s", cfg.strategy, info.world_size,
+             setup.dp_size, setup.size(MeshAxis.TP), setup.size(MeshAxis.PP),
+             type(model).__name__, n_params / 1e6, t.max_steps, t.global_batch_size, t.seq_len,
+             micro, output_dir)
     metrics = MetricsWriter(output_dir, info.is_main)
     records: list[dict] = []
     window_tokens, window_start = 0, time.perf_counter()
