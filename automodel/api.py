@@ -17,14 +17,19 @@ def compose(overrides: list[str] | None = None):
 
     register_schemas()
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        return hydra_compose(config_name="train", overrides=list(overrides or []))
+        return hydra_compose(config_name="train", overrides=list(overrides or []),
+                             return_hydra_config=True)
 
 
 def load_config(overrides: list[str] | None = None, output_dir: str = ".", env=None):
     """Compose and resolve: a validated ``TrainConfig`` (raises ``ConfigError``)."""
     from automodel.config.resolve import resolve
 
-    return resolve(compose(overrides), env=env, output_dir=output_dir, overrides=overrides)
+    from omegaconf import OmegaConf
+
+    cfg = compose(overrides)
+    choices = OmegaConf.to_container(cfg.hydra.runtime.choices)
+    return resolve(cfg, env=env, output_dir=output_dir, choices=choices, overrides=overrides)
 
 
 def run(overrides: list[str] | None = None, output_dir: str = "."):

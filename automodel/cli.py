@@ -7,6 +7,7 @@ import sys
 
 from automodel.config.build import ConfigError
 from automodel.launch.env import detect_launch_env
+from automodel.launch.errors import LaunchError
 
 
 def _fail(kind: str, message: str, code: int):
@@ -33,25 +34,46 @@ def prepare_argv() -> None:
         _fail("configuration error", str(err), 2)
 
 
+class SweepJobFailed(RuntimeError):
+    """One job of a Hydra multirun failed; the sweep goes on and exits non-zero at the end."""
+
+
 def run_from_hydra(cfg):
-    """The Hydra task: validate, then run the job on one or more ranks."""
+    """The Hydra task: validate, then run the job on one or more ranks.
+
+    In a single run a failure exits (2: configuration, 1: a rank failed). In a multirun it is
+    reported with the job's number and overrides and raised as an exception, so Hydra runs
+    the remaining jobs and then exits non-zero.
+    """
     from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    hc = HydraConfig.get()
+    try:
+        return _run_job(cfg, hc)
+    except (ConfigError, LaunchError) as err:
+        kind, code = (("configuration error", 2) if isinstance(err, ConfigError)
+                      else ("job failed", 1))
+        if hc.mode != RunMode.MULTIRUN:
+            _fail(kind, str(err), code)
+        name = f"#{hc.job.num} ({' '.join(hc.overrides.task)})"
+        print(f"automodel: sweep job {name} failed ({kind}):\n{err}\nlog: "
+              f"{hc.runtime.output_dir}", file=sys.stderr, flush=True)
+        raise SweepJobFailed(f"sweep job {name}: {kind}: {err}") from None
+
+
+def _run_job(cfg, hc):
+    from hydra.types import RunMode
 
     from automodel.config.resolve import resolve
     from automodel.launch.support import check_runtime_support
 
-    hc = HydraConfig.get()
-    try:
-        train_cfg = resolve(cfg, output_dir=hc.runtime.output_dir,
-                            choices=dict(hc.runtime.choices), overrides=list(hc.overrides.task))
-        check_runtime_support(train_cfg)
-    except ConfigError as err:
-        _fail("configuration error", str(err), 2)
+    sweep_dir = str(hc.sweep.dir) if hc.mode == RunMode.MULTIRUN else None
+    train_cfg = resolve(cfg, output_dir=hc.runtime.output_dir,
+                        choices=dict(hc.runtime.choices), overrides=list(hc.overrides.task),
+                        sweep_dir=sweep_dir)
+    check_runtime_support(train_cfg)
+    from automodel.launch.local import launch  # torch is imported from here on
 
-    from automodel.launch.local import LaunchError, launch
-
-    try:
-        records = launch(train_cfg)
-    except LaunchError as err:
-        _fail("job failed", str(err), 1)
+    records = launch(train_cfg)
     return records[-1]["loss"] if records else None

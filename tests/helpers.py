@@ -44,6 +44,9 @@ def _worker(rank, world, port, fn, args, result_dir, path):
         with open(os.path.join(result_dir, f"{rank}.pkl"), "wb") as f:
             pickle.dump(result, f)
     finally:
+        import gc
+
+        gc.collect()  # free DDP/FSDP objects before their process group goes away
         dist.destroy_process_group()
 
 
@@ -81,3 +84,27 @@ def write_schedule_csv(path, pp: int, n_microbatches: int, stages_per_rank: int 
         for row in rows:
             f.write(",".join(row) + "\n")
     return str(path)
+
+
+def read_wandb_records(path):
+    """Records of a W&B run file (``run-<id>.wandb``): a LevelDB-style log of protobufs."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = open(path, "rb").read()
+    assert data[:4] == b":W&B", f"{path} is not a W&B run file"
+    pos, block, chunks, partial = 7, 32768, [], b""
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # block trailer padding
+            pos += block - pos % block
+            continue
+        length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
+        payload, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+        if kind == 1:  # full record
+            chunks.append(payload)
+        elif kind == 2:  # first fragment
+            partial = payload
+        elif kind == 3:  # middle
+            partial += payload
+        elif kind == 4:  # last
+            chunks.append(partial + payload)
+    return [pb.Record.FromString(c) for c in chunks]

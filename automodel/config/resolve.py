@@ -21,6 +21,7 @@ from automodel.config.validate import (
     check_data,
     check_distributed,
     check_dtype,
+    check_logger,
     check_optim,
     check_pipeline,
     check_pipeline_model,
@@ -62,7 +63,9 @@ class TrainConfig:
     optim: s.OptimConfig
     trainer: s.TrainerConfig  # local_batch_size resolved
     launch: LaunchEnv
+    logger: s.LoggerConfig = field(default_factory=s.LoggerConfig)
     output_dir: str = "."
+    sweep_dir: Optional[str] = None  # the multirun's directory when this job is one of a sweep
     choices: Dict[str, Any] = field(default_factory=dict)  # hydra.runtime.choices
     overrides: List[str] = field(default_factory=list)
     resolved: Dict[str, Any] = field(default_factory=dict)  # the composed config, plain
@@ -88,21 +91,24 @@ def _schema_of(node, table: Mapping, path: str):
 
 
 def resolve(cfg, env: Optional[Mapping[str, str]] = None, output_dir: str = ".",
-            choices: Optional[dict] = None, overrides: Optional[list] = None) -> TrainConfig:
+            choices: Optional[dict] = None, overrides: Optional[list] = None,
+            sweep_dir: Optional[str] = None) -> TrainConfig:
     """Turn the composed config into a ``TrainConfig`` or raise ``ConfigError``."""
     from omegaconf import OmegaConf
     from omegaconf.errors import MissingMandatoryValue
 
     env = os.environ if env is None else env
-    expected = {"mesh", "distributed", "trainer", "parallelism", "pipeline", "model", "data", "optim"}
+    expected = {"mesh", "distributed", "trainer", "parallelism", "pipeline", "model", "data", "optim",
+                "logger"}
     extra = sorted(set(cfg.keys()) - expected - {"hydra"})
     if extra:
         raise ConfigError(f"unknown top-level key(s) {extra}; allowed: {sorted(expected)}")
     try:
-        plain = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+        plain = {key: OmegaConf.to_container(cfg[key], resolve=True, throw_on_missing=True)
+                 if OmegaConf.is_config(cfg[key]) else cfg[key]
+                 for key in cfg.keys() if key != "hydra"}
     except MissingMandatoryValue as err:
         raise ConfigError(f"'{err.full_key}' must be set (it is '???' in the chosen config)") from None
-    plain.pop("hydra", None)
 
     par_cls = _schema_of(cfg.parallelism, STRATEGIES, "parallelism")
     strategy = STRATEGIES[par_cls]
@@ -137,6 +143,8 @@ def resolve(cfg, env: Optional[Mapping[str, str]] = None, output_dir: str = ".",
     check_data(DATA_SOURCES[data_cls], data, model)
     optim = build(s.OptimConfig, plain["optim"], "optim")
     check_optim(optim)
+    logger = build(s.LoggerConfig, plain.get("logger"), "logger")
+    check_logger(logger)
     if launch.kind == "local":
         distributed = dataclasses.replace(distributed, nproc_per_node=mesh.dp_size * mesh.tp_size
                                           * mesh.cp_size * mesh.pp_size)
@@ -145,7 +153,8 @@ def resolve(cfg, env: Optional[Mapping[str, str]] = None, output_dir: str = ".",
         activation_checkpointing_scope=ac_scope, mp_policy=mp_policy,
         offload_policy=offload_policy, mesh=mesh, pipeline=pipeline, distributed=distributed,
         model=model, data_source=DATA_SOURCES[data_cls], data=data, optim=optim, trainer=trainer,
-        launch=launch, output_dir=output_dir, choices=dict(choices or {}),
+        launch=launch, logger=logger, output_dir=output_dir, sweep_dir=sweep_dir,
+        choices=dict(choices or {}),
         overrides=list(overrides or []), resolved=plain)
 
 

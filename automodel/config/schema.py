@@ -192,3 +192,24 @@ class TrainerConfig:
     seq_len: int = 64
     seed: int = 1234
     log_every: int = 10
+
+
+# --------------------------------------------------------------------------- tracking
+@dataclass
+class WandbConfig:
+    """Weights & Biases, from rank 0 only. ``mode: offline`` needs no network."""
+
+    project: str = "automodel"
+    entity: Optional[str] = None
+    mode: str = "online"  # online | offline | disabled
+    group: Optional[str] = None  # null = the sweep's directory name in a multirun
+    job_type: str = "train"
+    name: Optional[str] = None  # null = the output directory's name
+    tags: List[str] = field(default_factory=list)  # added to the group:option tags
+    id: Optional[str] = None  # null = stable per output directory / SLURM job (requeue resumes)
+    dir: Optional[str] = None  # null = $WANDB_DIR, else the run's output directory
+
+
+@dataclass
+class LoggerConfig:
+    wandb: Optional[WandbConfig] = None

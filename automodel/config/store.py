@@ -29,6 +29,7 @@ SCHEMAS = {
     },
     "optim": {"adamw": s.OptimConfig},
     "trainer": {"default": s.TrainerConfig},
+    "logger": {"default": s.LoggerConfig},
 }
 
 

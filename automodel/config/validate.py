@@ -421,3 +421,9 @@ def check_tensor_parallel(par, mesh: s.MeshConfig, model: s.ModelConfig,
     if getattr(par, "sequence_parallel", False) and trainer.seq_len % tp:
         raise ConfigError(f"trainer.seq_len={trainer.seq_len} must be divisible by "
                           f"mesh.tp_size={tp} with parallelism.sequence_parallel=true")
+
+
+def check_logger(logger: s.LoggerConfig) -> None:
+    if logger.wandb is not None and logger.wandb.mode not in ("online", "offline", "disabled"):
+        raise ConfigError(f"logger.wandb.mode={logger.wandb.mode!r}: allowed: online, offline, "
+                          "disabled")

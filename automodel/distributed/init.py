@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 from dataclasses import dataclass
 
@@ -49,4 +50,7 @@ def init_distributed(backend: str | None, timeout_minutes: int, need_group: bool
 
 def destroy_distributed() -> None:
     if dist.is_initialized():
+        # Free wrapped models (DDP reducers, FSDP states) first: a group destroyed under a
+        # live DDP reducer can abort the process in gloo's destructor.
+        gc.collect()
         dist.destroy_process_group()

@@ -8,6 +8,7 @@ rank fails, the agent stops the others and the error names the failing rank.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 
@@ -15,10 +16,10 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, r
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from automodel.config.resolve import TrainConfig
+from automodel.launch.errors import LaunchError
 
 
-class LaunchError(RuntimeError):
-    """A rank failed; the message names it."""
+log = logging.getLogger(__name__)
 
 
 def free_port() -> int:
@@ -58,6 +59,7 @@ def launch(cfg: TrainConfig):
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     os.environ.setdefault("AUTOMODEL_NUM_THREADS", os.environ["OMP_NUM_THREADS"])
     port = free_port()
+    log.info("starting %d local ranks, rendezvous at 127.0.0.1:%d", nproc, port)
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"automodel-{os.getpid()}-{port}",
         rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{port}", max_restarts=0,

@@ -27,6 +27,7 @@ from automodel.parallelize import parallelize
 from automodel.recipes.pipeline_step import PipelineStep
 from automodel.recipes.step import train_step
 from automodel.tracking.metrics import MetricsWriter
+from automodel.tracking.progress import Progress
 
 log = logging.getLogger("automodel")
 
@@ -127,35 +128,52 @@ def _train(cfg: TrainConfig, info: DistInfo, output_dir: str) -> list[dict]:
              type(model).__name__, n_params / 1e6, t.max_steps, t.global_batch_size, t.seq_len,
              micro, output_dir)
     metrics = MetricsWriter(output_dir, info.is_main)
+    tracker = None
+    if info.is_main and cfg.logger.wandb is not None:
+        from automodel.tracking.wandb_logger import WandbTracker
+
+        tracker = WandbTracker(cfg.logger.wandb, output_dir, cfg.resolved, cfg.choices,
+                               cfg.overrides, cfg.sweep_dir)
+    progress = Progress(t.max_steps, enabled=info.is_main)
     records: list[dict] = []
     window_tokens, window_start = 0, time.perf_counter()
+    peak = None
     try:
-        for step in range(t.max_steps):
-            lr = scheduler.get_last_lr()[0]
-            micro = plan.micro_batches(step, setup.dp_rank, setup.dp_size, t.local_batch_size)
-            if pipeline is not None:
-                loss, grad_norm, tokens = pipeline(micro, optimizer, cfg.optim.max_grad_norm)
-            else:
-                loss, grad_norm, tokens = train_step(model, setup, micro, optimizer,
-                                                     cfg.optim.max_grad_norm)
-            scheduler.step()
-            window_tokens += tokens
-            number = step + 1
-            if number % t.log_every == 0 or number == 1 or number == t.max_steps:
-                elapsed = time.perf_counter() - window_start
-                record = {"step": number, "loss": loss, "grad_norm": grad_norm, "lr": lr,
-                          "tokens_per_second": window_tokens / max(elapsed, 1e-9),
-                          "peak_memory_bytes": _peak_memory_bytes(info)}
+        with progress.logging_redirect():
+            for step in range(t.max_steps):
+                step_start = time.perf_counter()
+                lr = scheduler.get_last_lr()[0]
+                micro = plan.micro_batches(step, setup.dp_rank, setup.dp_size, t.local_batch_size)
                 if pipeline is not None:
-                    record["pp_recv_buffer_bytes"] = pipeline.recv_buffer_bytes()
-                records.append(record)
-                metrics.write(record)
-                log.info("step %d/%d  loss %.4f  grad_norm %.3f  lr %.2e  %.0f tok/s  peak %.0f MiB",
-                         number, t.max_steps, loss, grad_norm, lr, record["tokens_per_second"],
-                         record["peak_memory_bytes"] / 2**20)
-                window_tokens, window_start = 0, time.perf_counter()
+                    loss, grad_norm, tokens = pipeline(micro, optimizer, cfg.optim.max_grad_norm)
+                else:
+                    loss, grad_norm, tokens = train_step(model, setup, micro, optimizer,
+                                                         cfg.optim.max_grad_norm)
+                scheduler.step()
+                window_tokens += tokens
+                number = step + 1
+                if number % t.log_every == 0 or number == 1 or number == t.max_steps:
+                    elapsed = time.perf_counter() - window_start
+                    peak = _peak_memory_bytes(info)
+                    record = {"step": number, "loss": loss, "grad_norm": grad_norm, "lr": lr,
+                              "tokens_per_second": window_tokens / max(elapsed, 1e-9),
+                              "peak_memory_bytes": peak}
+                    if pipeline is not None:
+                        record["pp_recv_buffer_bytes"] = pipeline.recv_buffer_bytes()
+                    records.append(record)
+                    metrics.write(record)
+                    if tracker is not None:
+                        tracker.log(record)
+                    log.info("step %d/%d  loss %.4f  grad_norm %.3f  lr %.2e  %.0f tok/s  "
+                             "peak %.0f MiB", number, t.max_steps, loss, grad_norm, lr,
+                             record["tokens_per_second"], peak / 2**20)
+                    window_tokens, window_start = 0, time.perf_counter()
+                progress.update(loss, tokens / max(time.perf_counter() - step_start, 1e-9), peak)
     finally:
+        progress.close()
         metrics.close()
+        if tracker is not None:
+            tracker.finish()
     return records
 
 
