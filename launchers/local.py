@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from automodel.api import run
     from automodel.config.build import ConfigError
-    from automodel.launch.local import LaunchError
+    from automodel.launch.errors import LaunchError
 
     overrides = (saved_overrides(args.rerun) if args.rerun else []) + args.overrides
     output_dir = args.output_dir or str(
