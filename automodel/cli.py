@@ -73,6 +73,10 @@ def _run_job(cfg, hc):
                         choices=dict(hc.runtime.choices), overrides=list(hc.overrides.task),
                         sweep_dir=sweep_dir)
     check_runtime_support(train_cfg)
+    if train_cfg.launch.kind == "slurm":
+        from automodel.launch.slurm import quiet_non_zero_rank
+
+        quiet_non_zero_rank(train_cfg.launch.rank)
     from automodel.launch.local import launch  # torch is imported from here on
 
     records = launch(train_cfg)

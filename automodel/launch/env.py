@@ -23,10 +23,10 @@ def detect_launch_env(env: Mapping[str, str]) -> LaunchEnv:
                                         and "MASTER_ADDR" in env):
         return LaunchEnv("torchrun", int(env["WORLD_SIZE"]),
                          int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])), int(env["RANK"]))
-    # srun with more than one task: every task is one rank.
-    if "SLURM_STEP_ID" in env and int(env.get("SLURM_STEP_NUM_TASKS", env.get("SLURM_NTASKS", "1"))) > 1:
-        ntasks = int(env.get("SLURM_STEP_NUM_TASKS", env.get("SLURM_NTASKS")))
-        local = int(env.get("SLURM_NTASKS_PER_NODE", env.get("SLURM_STEP_TASKS_PER_NODE", "1")
-                            ).split("(")[0])
+    # srun tasks (several, or a submitit job): every task is one rank.
+    ntasks = int(env.get("SLURM_STEP_NUM_TASKS", env.get("SLURM_NTASKS", "1")))
+    if "SLURM_STEP_ID" in env and (ntasks > 1 or env.get("SUBMITIT_EXECUTOR") == "slurm"):
+        local = int(env.get("SLURM_STEP_TASKS_PER_NODE", env.get("SLURM_NTASKS_PER_NODE", "1"))
+                    .split("(")[0].split(",")[0])
         return LaunchEnv("slurm", ntasks, local, int(env.get("SLURM_PROCID", "0")))
     return LaunchEnv("local")

@@ -50,6 +50,11 @@ def launch(cfg: TrainConfig):
     """Run the job; returns rank 0's result (its metric records)."""
     from automodel.recipes.train import run_rank
 
+    if cfg.launch.kind == "slurm":  # this srun task is one rank
+        from automodel.launch.slurm import export_rank_environment
+
+        export_rank_environment()
+        return run_rank(cfg)
     if cfg.launch.external or cfg.distributed.nproc_per_node == 1:
         return run_rank(cfg)
 

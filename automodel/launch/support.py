@@ -21,22 +21,4 @@ def check_runtime_support(cfg: TrainConfig) -> None:
         if value > 1:
             raise ConfigError(f"mesh.{name}={value}: the options of {what} are validated, but its "
                               "runtime is not available in this version yet; use "
-                              f"mesh.{name}=1 (and pipeline=none)")
-    if cfg.pipeline is not None:
-        _check_pipeline_support(cfg.pipeline)
-    if cfg.launch.kind == "slurm":
-        raise ConfigError("this process runs as one of several srun tasks, which is not "
-                          "supported yet: start the ranks with torchrun, or run train.py once "
-                          "and let it start local ranks (distributed.nproc_per_node)")
-
-
-# Pipeline options whose runtime has not landed yet, with the value that means "unused".
-_PIPELINE_NOT_YET: dict = {}
-
-
-def _check_pipeline_support(pipeline) -> None:
-    for name, unused in _PIPELINE_NOT_YET.items():
-        value = getattr(pipeline, name)
-        if value != unused:
-            raise ConfigError(f"pipeline.{name}={value!r} is validated but not available in "
-                              f"this version yet; leave it at {unused!r}")
+                              f"mesh.{name}=1")

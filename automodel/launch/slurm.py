@@ -1,0 +1,37 @@
+"""Ranks started by SLURM: each srun task is one rank.
+
+Under srun (a submitit job, or several tasks) torchrun is never used: rank, world size,
+local rank and the rendezvous address come from SLURM's environment through
+``submitit.helpers.TorchDistributedEnvironment``, so the same job scales to more nodes by
+asking SLURM for more.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+
+def export_rank_environment() -> None:
+    """Set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT from SLURM's variables."""
+    from submitit.helpers import TorchDistributedEnvironment
+
+    TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+
+
+def quiet_non_zero_rank(rank: int) -> None:
+    """Only rank 0 writes the job's log file: other tasks drop the file handlers Hydra gave
+    them (they still print errors)."""
+    if rank == 0:
+        return
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        if isinstance(handler, logging.FileHandler):
+            root.removeHandler(handler)
+            handler.close()
+    root.setLevel(logging.ERROR)
+
+
+def slurm_job_log_hint() -> str:
+    folder = os.environ.get("SUBMITIT_FOLDER")
+    return f" (submitit logs in {folder})" if folder else ""

@@ -1,0 +1,93 @@
+"""Submit one job to SLURM through submitit, without a Hydra sweep.
+
+    python -m launchers.slurm [--nodes 1] [--tasks-per-node 2] [--partition P] [--time-min 60]
+                              [--folder DIR] [--wait] [override ...]
+
+The overrides are the same ``key=value`` strings ``train.py`` takes; the config is composed
+and validated here, before anything is submitted. Prints the job id; with ``--wait`` it
+follows the job to its end and exits non-zero (with the log path) if it failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+from pathlib import Path
+
+
+def run_job(overrides: list[str], output_dir: str):
+    """What each SLURM task runs: compose, resolve in SLURM's environment, train one rank."""
+    import os
+
+    from automodel.api import load_config
+    from automodel.launch.local import launch
+    from automodel.launch.support import check_runtime_support
+
+    cfg = load_config(overrides, output_dir=output_dir, env=os.environ)
+    check_runtime_support(cfg)
+    return launch(cfg)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m launchers.slurm", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--tasks-per-node", type=int, default=1, help="ranks per node")
+    p.add_argument("--cpus-per-task", type=int, default=1)
+    p.add_argument("--gpus-per-node", type=int, default=None)
+    p.add_argument("--partition", default=None)
+    p.add_argument("--account", default=None)
+    p.add_argument("--time-min", type=int, default=60)
+    p.add_argument("--folder", default=None, help="submitit folder (default: under the output)")
+    p.add_argument("--output-dir", default=None,
+                   help="the job's output directory (default: outputs/slurm/<timestamp>)")
+    p.add_argument("--wait", action="store_true", help="follow the job to its end")
+    p.add_argument("overrides", nargs="*")
+    args = p.parse_args(argv)
+
+    from automodel.api import load_config
+    from automodel.config.build import ConfigError
+
+    output_dir = str(Path(args.output_dir or Path("outputs") / "slurm" /
+                          datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")).absolute())
+    world = args.nodes * args.tasks_per_node
+    env = {"RANK": "0", "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(args.tasks_per_node),
+           "MASTER_ADDR": "submit-time-check"}
+    try:  # validate against the world the job will have, before submitting
+        load_config(args.overrides, output_dir=output_dir, env=env)
+    except ConfigError as err:
+        print(f"automodel: configuration error:\n{err}", file=sys.stderr)
+        return 2
+
+    import submitit
+
+    folder = args.folder or str(Path(output_dir) / ".submitit" / "%j")
+    executor = submitit.AutoExecutor(folder=folder, cluster="slurm")
+    params = dict(nodes=args.nodes, tasks_per_node=args.tasks_per_node,
+                  cpus_per_task=args.cpus_per_task, timeout_min=args.time_min,
+                  name="automodel")
+    if args.gpus_per_node:
+        params["gpus_per_node"] = args.gpus_per_node
+    if args.partition:
+        params["slurm_partition"] = args.partition
+    if args.account:
+        params["slurm_account"] = args.account
+    executor.update_parameters(**params)
+    job = executor.submit(run_job, args.overrides, output_dir)
+    print(f"submitted SLURM job {job.job_id}; output in {output_dir}", flush=True)
+    if not args.wait:
+        return 0
+    try:
+        records = job.results()[0]
+    except Exception as err:  # submitit raises with the job's state and log paths
+        print(f"automodel: SLURM job {job.job_id} failed; log: {job.paths.stderr}\n{err}",
+              file=sys.stderr)
+        return 1
+    if records:
+        print(f"SLURM job {job.job_id} finished: final loss {records[-1]['loss']:.4f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

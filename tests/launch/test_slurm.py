@@ -1,0 +1,98 @@
+"""SLURM through submitit, on a real one-node cluster (``scripts/slurm_cluster.sh start``,
+which ``.ci/run`` runs before the tests). Each test uses its own submitit folder: job ids
+restart at 1 on a fresh cluster."""
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from tests.cli.test_cli import QUICK, ROOT, metrics_files, run
+
+
+def _cluster_answers() -> bool:
+    if shutil.which("sinfo") is None:
+        return False
+    try:
+        out = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True,
+                             timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return out.returncode == 0 and any(s in out.stdout for s in ("idle", "mix", "alloc"))
+
+
+pytestmark = pytest.mark.skipif(not _cluster_answers(), reason="no SLURM cluster answers "
+                                "(sinfo); start one with: bash scripts/slurm_cluster.sh start")
+
+LAUNCHER = [sys.executable, "-m", "launchers.slurm"]
+
+
+def losses(path):
+    return [json.loads(line)["loss"] for line in open(path)]
+
+
+def test_single_rank_job_with_wait(tmp_path):
+    out = run(["--wait", "--output-dir", str(tmp_path / "job"), "parallelism=none"] + QUICK,
+              ROOT, cmd=LAUNCHER)
+    assert out.returncode == 0, out.stderr
+    assert re.search(r"submitted SLURM job \d+", out.stdout)
+    assert len(losses(tmp_path / "job" / "metrics.jsonl")) == 3
+
+
+def test_two_task_fsdp2_sweep_matches_the_local_run(tmp_path):
+    (tmp_path / "local").mkdir()
+    local = run(["parallelism=fsdp2"] + QUICK, tmp_path / "local")
+    assert local.returncode == 0, local.stderr
+    [local_metrics] = metrics_files(tmp_path / "local")
+    sweep = run(["-m", "hydra/launcher=slurm", "hydra.launcher.nodes=1",
+                 "hydra.launcher.tasks_per_node=2", "parallelism=ddp,fsdp2",
+                 f"hydra.sweep.dir={tmp_path}/sweep"] + QUICK, tmp_path)
+    assert sweep.returncode == 0, sweep.stderr
+    for job in ("0", "1"):  # both jobs of the sweep, each 2 SLURM tasks = 2 ranks
+        log = (tmp_path / "sweep" / job / "train.log").read_text()
+        assert "on 2 rank(s) (dp=2" in log and log.count("step 3/3") == 1  # rank 0 only
+    # job 1 is FSDP2 on 2 SLURM tasks: the same numbers as the local 2-rank FSDP2 run
+    np.testing.assert_allclose(losses(tmp_path / "sweep" / "1" / "metrics.jsonl"),
+                               losses(local_metrics), rtol=1e-6)
+    assert len(losses(tmp_path / "sweep" / "0" / "metrics.jsonl")) == 3
+
+
+def test_failing_job_is_reported_failed_with_its_log(tmp_path):
+    out = run(["--wait", "--output-dir", str(tmp_path / "job"),
+               "+model.config.hidden_act=no_such_act", "parallelism=none"] + QUICK,
+              ROOT, cmd=LAUNCHER)
+    assert out.returncode == 1
+    assert re.search(r"SLURM job \d+ failed; log: \S+\.err", out.stderr)
+    assert "no_such_act" in out.stderr
+    sweep = run(["-m", "hydra/launcher=slurm", "+model.config.hidden_act=no_such_act",
+                 "parallelism=none", f"hydra.sweep.dir={tmp_path}/sweep"] + QUICK, tmp_path)
+    assert sweep.returncode != 0 and "no_such_act" in sweep.stderr
+
+
+def test_cancellation(tmp_path):
+    out = run(["--output-dir", str(tmp_path / "job"), "parallelism=none", "data=synthetic",
+               "trainer.max_steps=100000", "trainer.log_every=100"], ROOT, cmd=LAUNCHER)
+    assert out.returncode == 0, out.stderr
+    job_id = re.search(r"submitted SLURM job (\d+)", out.stdout).group(1)
+    deadline = time.time() + 60
+    while time.time() < deadline:  # wait until it is running
+        state = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True,
+                               text=True).stdout.strip()
+        if state == "RUNNING":
+            break
+        time.sleep(0.5)
+    assert state == "RUNNING"
+    subprocess.run(["scancel", job_id], check=True)
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        state = subprocess.run(["sacct", "-n", "-X", "-j", job_id, "-o", "State"],
+                               capture_output=True, text=True).stdout.strip()
+        if state.startswith("CANCELLED"):
+            break
+        time.sleep(0.5)
+    assert state.startswith("CANCELLED")
