@@ -41,25 +41,41 @@ class SweepJobFailed(RuntimeError):
 def run_from_hydra(cfg):
     """The Hydra task: validate, then run the job on one or more ranks.
 
-    In a single run a failure exits (2: configuration, 1: a rank failed). In a multirun it is
-    reported with the job's number and overrides and raised as an exception, so Hydra runs
-    the remaining jobs and then exits non-zero.
+    In a single run a failure exits (2: configuration, 1: a rank failed). In a local multirun
+    it is reported with the job's number and overrides and raised, so Hydra runs the remaining
+    jobs and then exits non-zero. In a SLURM task (one rank of a submitit job) any failure
+    exits the task non-zero, so SLURM and submitit see the job as failed and name its log.
     """
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
     hc = HydraConfig.get()
+    slurm_task = detect_launch_env(os.environ).kind == "slurm"
     try:
         return _run_job(cfg, hc)
     except (ConfigError, LaunchError) as err:
         kind, code = (("configuration error", 2) if isinstance(err, ConfigError)
                       else ("job failed", 1))
+        if slurm_task:
+            _fail(kind, f"{err}\n{_slurm_log()}", code)
         if hc.mode != RunMode.MULTIRUN:
             _fail(kind, str(err), code)
         name = f"#{hc.job.num} ({' '.join(hc.overrides.task)})"
         print(f"automodel: sweep job {name} failed ({kind}):\n{err}\nlog: "
               f"{hc.runtime.output_dir}", file=sys.stderr, flush=True)
-        raise SweepJobFailed(f"sweep job {name}: {kind}: {err}") from None
+        raise SweepJobFailed(f"sweep job {name}: {kind}: {err} (log: "
+                             f"{hc.runtime.output_dir})") from None
+    except Exception as err:
+        if not slurm_task:
+            raise
+        _fail("job failed", f"rank {os.environ.get('SLURM_PROCID', '?')}: "
+              f"{type(err).__name__}: {err}\n{_slurm_log()}", 1)
+
+
+def _slurm_log() -> str:
+    from automodel.launch.slurm import task_log_path
+
+    return f"log: {task_log_path()}"
 
 
 def _run_job(cfg, hc):

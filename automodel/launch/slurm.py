@@ -32,6 +32,11 @@ def quiet_non_zero_rank(rank: int) -> None:
     root.setLevel(logging.ERROR)
 
 
-def slurm_job_log_hint() -> str:
-    folder = os.environ.get("SUBMITIT_FOLDER")
-    return f" (submitit logs in {folder})" if folder else ""
+def task_log_path() -> str:
+    """This SLURM task's log file (submitit's stderr), or the job id when unknown."""
+    try:
+        import submitit
+
+        return str(submitit.JobEnvironment().paths.stderr)
+    except Exception:  # not a submitit job
+        return f"the log of SLURM job {os.environ.get('SLURM_JOB_ID', '?')}"

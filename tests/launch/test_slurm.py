@@ -72,6 +72,9 @@ def test_failing_job_is_reported_failed_with_its_log(tmp_path):
     sweep = run(["-m", "hydra/launcher=slurm", "+model.config.hidden_act=no_such_act",
                  "parallelism=none", f"hydra.sweep.dir={tmp_path}/sweep"] + QUICK, tmp_path)
     assert sweep.returncode != 0 and "no_such_act" in sweep.stderr
+    # the SLURM job itself failed (not "completed"), and the message names its log
+    assert "state: FAILED" in sweep.stderr
+    assert re.search(r"log: \S+/\.submitit/\d+/\d+_0_log\.err", sweep.stderr)
 
 
 def test_cancellation(tmp_path):
