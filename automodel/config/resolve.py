@@ -23,12 +23,11 @@ from automodel.config.validate import (
     check_dtype,
     check_logger,
     check_optim,
-    check_pipeline,
-    check_pipeline_model,
     check_tensor_parallel,
     resolve_mesh,
     resolve_trainer,
 )
+from automodel.config.validate_pipeline import check_pipeline, check_pipeline_model
 from automodel.launch.env import LaunchEnv, detect_launch_env
 
 log = logging.getLogger(__name__)
