@@ -169,17 +169,10 @@ def baseline_loop(spec: dict, rank: int) -> dict | None:
 
 
 def run_baseline(spec: dict) -> dict:
-    """Start the baseline ranks the way automodel starts its own (elastic, spawn)."""
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    """Start the baseline ranks exactly the way automodel starts its own."""
+    from automodel.launch.local import run_on_local_ranks
 
-    from automodel.launch.local import free_port
-
-    port = free_port()
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=NPROC,
-                          run_id=f"pp-baseline-{os.getpid()}-{port}", rdzv_backend="c10d",
-                          rdzv_endpoint=f"127.0.0.1:{port}", max_restarts=0,
-                          monitor_interval=0.1, start_method="spawn")
-    return elastic_launch(config, baseline_rank)(spec)[0]
+    return run_on_local_ranks(baseline_rank, NPROC, spec, name="pp-baseline")[0]
 
 
 def measure_once(args, threads: int) -> tuple[dict, dict]:

@@ -46,6 +46,18 @@ def _failure_message(err) -> str:
     return "\n".join(lines)
 
 
+def run_on_local_ranks(entry, nproc: int, *args, name: str = "automodel") -> dict:
+    """Run ``entry(*args)`` on ``nproc`` spawned local ranks (torch's elastic launch, a fresh
+    rendezvous port, no restarts). Returns {rank: result}; raises ChildFailedError."""
+    port = free_port()
+    log.info("starting %d local ranks, rendezvous at 127.0.0.1:%d", nproc, port)
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"{name}-{os.getpid()}-{port}",
+        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{port}", max_restarts=0,
+        monitor_interval=0.1, start_method="spawn")
+    return elastic_launch(config, entry)(*args)
+
+
 def launch(cfg: TrainConfig):
     """Run the job; returns rank 0's result (its metric records)."""
     from automodel.recipes.train import run_rank
@@ -63,14 +75,8 @@ def launch(cfg: TrainConfig):
     saved = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "AUTOMODEL_NUM_THREADS")}
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     os.environ.setdefault("AUTOMODEL_NUM_THREADS", os.environ["OMP_NUM_THREADS"])
-    port = free_port()
-    log.info("starting %d local ranks, rendezvous at 127.0.0.1:%d", nproc, port)
-    config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"automodel-{os.getpid()}-{port}",
-        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{port}", max_restarts=0,
-        monitor_interval=0.1, start_method="spawn")
     try:
-        results = elastic_launch(config, _rank_entry)(cfg)
+        results = run_on_local_ranks(_rank_entry, nproc, cfg)
     except ChildFailedError as err:
         raise LaunchError(_failure_message(err)) from None
     finally:
