@@ -21,6 +21,7 @@ from automodel.config.validate import (
     check_data,
     check_distributed,
     check_dtype,
+    check_checkpoint,
     check_logger,
     check_optim,
     check_tensor_parallel,
@@ -63,6 +64,7 @@ class TrainConfig:
     trainer: s.TrainerConfig  # local_batch_size resolved
     launch: LaunchEnv
     logger: s.LoggerConfig = field(default_factory=s.LoggerConfig)
+    checkpoint: s.CheckpointConfig = field(default_factory=s.CheckpointConfig)
     output_dir: str = "."
     sweep_dir: Optional[str] = None  # the multirun's directory when this job is one of a sweep
     choices: Dict[str, Any] = field(default_factory=dict)  # hydra.runtime.choices
@@ -98,7 +100,7 @@ def resolve(cfg, env: Optional[Mapping[str, str]] = None, output_dir: str = ".",
 
     env = os.environ if env is None else env
     expected = {"mesh", "distributed", "trainer", "parallelism", "pipeline", "model", "data", "optim",
-                "logger"}
+                "logger", "checkpoint"}
     extra = sorted(set(cfg.keys()) - expected - {"hydra"})
     if extra:
         raise ConfigError(f"unknown top-level key(s) {extra}; allowed: {sorted(expected)}")
@@ -144,6 +146,8 @@ def resolve(cfg, env: Optional[Mapping[str, str]] = None, output_dir: str = ".",
     check_optim(optim)
     logger = build(s.LoggerConfig, plain.get("logger"), "logger")
     check_logger(logger)
+    checkpoint = build(s.CheckpointConfig, plain.get("checkpoint"), "checkpoint")
+    check_checkpoint(checkpoint, trainer, pipeline is not None)
     if launch.kind == "local":
         distributed = dataclasses.replace(distributed, nproc_per_node=mesh.dp_size * mesh.tp_size
                                           * mesh.cp_size * mesh.pp_size)
@@ -152,7 +156,7 @@ def resolve(cfg, env: Optional[Mapping[str, str]] = None, output_dir: str = ".",
         activation_checkpointing_scope=ac_scope, mp_policy=mp_policy,
         offload_policy=offload_policy, mesh=mesh, pipeline=pipeline, distributed=distributed,
         model=model, data_source=DATA_SOURCES[data_cls], data=data, optim=optim, trainer=trainer,
-        launch=launch, logger=logger, output_dir=output_dir, sweep_dir=sweep_dir,
+        launch=launch, logger=logger, checkpoint=checkpoint, output_dir=output_dir, sweep_dir=sweep_dir,
         choices=dict(choices or {}),
         overrides=list(overrides or []), resolved=plain)
 

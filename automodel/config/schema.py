@@ -185,6 +185,14 @@ class OptimConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    every_steps: Optional[int] = None  # null = no checkpoints
+    dir: Optional[str] = None  # null = <output dir>/checkpoints
+    keep_last: Optional[int] = 3  # null = keep all
+    resume: Optional[str] = None  # null | auto (latest complete in dir) | a checkpoint path
+
+
+@dataclass
 class TrainerConfig:
     max_steps: int = 100
     global_batch_size: int = 16
@@ -192,6 +200,8 @@ class TrainerConfig:
     seq_len: int = 64
     seed: int = 1234
     log_every: int = 10
+    stop_at_step: Optional[int] = None  # end this run after this step (the schedule still
+    # spans max_steps); for splitting a run into time slots
 
 
 # --------------------------------------------------------------------------- tracking

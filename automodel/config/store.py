@@ -30,6 +30,7 @@ SCHEMAS = {
     "optim": {"adamw": s.OptimConfig},
     "trainer": {"default": s.TrainerConfig},
     "logger": {"default": s.LoggerConfig},
+    "checkpoint": {"default": s.CheckpointConfig},
 }
 
 

@@ -304,3 +304,17 @@ def check_logger(logger: s.LoggerConfig) -> None:
     if logger.wandb is not None and logger.wandb.mode not in ("online", "offline", "disabled"):
         raise ConfigError(f"logger.wandb.mode={logger.wandb.mode!r}: allowed: online, offline, "
                           "disabled")
+
+
+def check_checkpoint(c: s.CheckpointConfig, trainer: s.TrainerConfig, pipeline: bool) -> None:
+    _positive("checkpoint.every_steps", c.every_steps)
+    _positive("checkpoint.keep_last", c.keep_last)
+    if c.resume is not None and c.resume != "auto" and not os.path.isdir(c.resume):
+        raise ConfigError(f"checkpoint.resume={c.resume!r}: no such checkpoint directory; use "
+                          "auto (the latest in checkpoint.dir), a path, or null")
+    if pipeline and (c.every_steps or c.resume):
+        raise ConfigError("checkpoints with a pipeline are not available in this version yet; "
+                          "set checkpoint.every_steps=null and checkpoint.resume=null")
+    if trainer.stop_at_step is not None and not 1 <= trainer.stop_at_step <= trainer.max_steps:
+        raise ConfigError(f"trainer.stop_at_step={trainer.stop_at_step}: must be within "
+                          f"1..trainer.max_steps={trainer.max_steps}")

@@ -14,6 +14,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from automodel.checkpoint.manager import Checkpointer, complete_checkpoints
 from automodel.config.resolve import TrainConfig
 from automodel.data.batches import BatchPlan
 from automodel.data.sources import token_sequences
@@ -134,13 +135,15 @@ def _train(cfg: TrainConfig, info: DistInfo, output_dir: str) -> list[dict]:
 
         tracker = WandbTracker(cfg.logger.wandb, output_dir, cfg.resolved, cfg.choices,
                                cfg.overrides, cfg.sweep_dir)
-    progress = Progress(t.max_steps, enabled=info.is_main)
+    progress = Progress((t.stop_at_step or t.max_steps), enabled=info.is_main)
     records: list[dict] = []
+    checkpointer, start_step = _restore(cfg, output_dir, info, model, optimizer, scheduler)
+    last_step = t.stop_at_step or t.max_steps
     window_tokens, window_start = 0, time.perf_counter()
     peak = None
     try:
         with progress.logging_redirect():
-            for step in range(t.max_steps):
+            for step in range(start_step, last_step):
                 step_start = time.perf_counter()
                 lr = scheduler.get_last_lr()[0]
                 micro = plan.micro_batches(step, setup.dp_rank, setup.dp_size, t.local_batch_size)
@@ -169,12 +172,36 @@ def _train(cfg: TrainConfig, info: DistInfo, output_dir: str) -> list[dict]:
                              record["tokens_per_second"], peak / 2**20)
                     window_tokens, window_start = 0, time.perf_counter()
                 progress.update(loss, tokens / max(time.perf_counter() - step_start, 1e-9), peak)
+                every = cfg.checkpoint.every_steps
+                if checkpointer is not None and every and number % every == 0:
+                    path = checkpointer.save(number, model, optimizer, scheduler)
+                    log.info("checkpoint saved: %s", path)
     finally:
         progress.close()
         metrics.close()
         if tracker is not None:
             tracker.finish()
     return records
+
+
+def _restore(cfg: TrainConfig, output_dir: str, info: DistInfo, model, optimizer, scheduler):
+    """(checkpointer or None, the step to start from)."""
+    c = cfg.checkpoint
+    if not c.every_steps and c.resume is None:
+        return None, 0
+    root = c.dir or os.path.join(output_dir, "checkpoints")
+    checkpointer = Checkpointer(root, c.keep_last, info.rank)
+    path = c.resume
+    if path == "auto":
+        found = complete_checkpoints(root)
+        path = found[-1] if found else None
+        if path is None:
+            log.info("checkpoint.resume=auto: no checkpoint in %s yet; starting at step 0", root)
+    if path is None:
+        return checkpointer, 0
+    step = checkpointer.load(path, model, optimizer, scheduler)
+    log.info("resumed from %s after step %d", path, step)
+    return checkpointer, step
 
 
 def run_rank(cfg: TrainConfig) -> list[dict] | None:

@@ -344,3 +344,11 @@ def test_few_micro_batches_warn_about_the_bubble(caplog):
         cfg("parallelism=fsdp2", "pipeline=interleaved", "trainer.global_batch_size=2",
             "pipeline.pp_microbatch_size=1")
     assert "2 micro-batches for 4 stages" in caplog.text and "bubble" in caplog.text
+
+
+def test_checkpoint_rules(tmp_path):
+    assert "checkpoint.resume='/nope'" in error("checkpoint.resume=/nope")
+    assert cfg("checkpoint.resume=auto", "checkpoint.every_steps=5").checkpoint.every_steps == 5
+    assert "checkpoint.every_steps=0" in error("checkpoint.every_steps=0")
+    assert "pipeline" in error("parallelism=fsdp2", "pipeline=1f1b", "checkpoint.every_steps=2")
+    assert "trainer.stop_at_step=200" in error("trainer.max_steps=10", "trainer.stop_at_step=200")

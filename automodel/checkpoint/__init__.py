@@ -1,0 +1,1 @@
+"""Distributed checkpoints: atomic directories of torch.distributed.checkpoint shards."""
