@@ -38,9 +38,9 @@ LAYOUTS = {
 }
 
 
-def build_overrides(layout: str, args) -> list[str]:
-    """Hydra overrides shared by both sides, plus the layout's own."""
-    return LAYOUTS[layout] + [
+def shared_overrides(args) -> list[str]:
+    """Data, trainer, optimizer and model overrides both benchmark scripts use."""
+    return [
         "data=synthetic", f"data.num_sequences={max(args.batch * args.steps, 256)}",
         f"trainer.max_steps={args.steps}", f"trainer.global_batch_size={args.batch}",
         f"trainer.seq_len={args.seq_len}", "trainer.log_every=1",
@@ -50,6 +50,11 @@ def build_overrides(layout: str, args) -> list[str]:
         f"model.config.num_hidden_layers={args.layers}",
         f"distributed.nproc_per_node={NPROC}",
     ] + list(args.override)
+
+
+def build_overrides(layout: str, args) -> list[str]:
+    """Hydra overrides shared by both sides, plus the layout's own."""
+    return LAYOUTS[layout] + shared_overrides(args)
 
 
 def baseline_spec(layout: str, cfg, threads: int) -> dict:

@@ -31,19 +31,13 @@ NPROC = 2  # pp=2, dp=1: one stage per rank
 def build_overrides(args) -> list[str]:
     # automodel puts FSDP2 (on a 1-rank mesh) around each stage; force it to fp32 so that it
     # does the same arithmetic as the plain fp32 baseline.
+    from compare_baseline import shared_overrides  # the sibling script; cheap to import
+
     return ["parallelism=fsdp2",
             "parallelism.mp_policy={_target_:torch.distributed.fsdp.MixedPrecisionPolicy,"
             "param_dtype:float32,reduce_dtype:float32}",
             "pipeline=1f1b", f"pipeline.pp_microbatch_size={args.batch // args.microbatches}",
-            "data=synthetic", f"data.num_sequences={max(args.batch * args.steps, 256)}",
-            f"trainer.max_steps={args.steps}", f"trainer.global_batch_size={args.batch}",
-            f"trainer.seq_len={args.seq_len}", "trainer.log_every=1",
-            "optim.warmup_steps=0", "optim.min_lr_ratio=1.0",  # constant learning rate
-            f"model.config.hidden_size={args.hidden}",
-            f"model.config.intermediate_size={args.hidden * 11 // 4}",  # llama_tiny's ratio
-            f"model.config.num_hidden_layers={args.layers}",
-            f"distributed.nproc_per_node={NPROC}",
-            ] + list(args.override)
+            ] + shared_overrides(args)
 
 
 def baseline_spec(cfg, threads: int, n_micro: int) -> dict:

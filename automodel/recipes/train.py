@@ -135,10 +135,10 @@ def _train(cfg: TrainConfig, info: DistInfo, output_dir: str) -> list[dict]:
 
         tracker = WandbTracker(cfg.logger.wandb, output_dir, cfg.resolved, cfg.choices,
                                cfg.overrides, cfg.sweep_dir)
-    progress = Progress((t.stop_at_step or t.max_steps), enabled=info.is_main)
     records: list[dict] = []
     checkpointer, start_step = _restore(cfg, output_dir, info, model, optimizer, scheduler)
     last_step = t.stop_at_step or t.max_steps
+    progress = Progress(last_step, enabled=info.is_main, initial=start_step)
     window_tokens, window_start = 0, time.perf_counter()
     peak = None
     try:

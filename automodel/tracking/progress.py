@@ -13,7 +13,7 @@ import sys
 
 
 class Progress:
-    def __init__(self, total_steps: int, enabled: bool, stream=None):
+    def __init__(self, total_steps: int, enabled: bool, stream=None, initial: int = 0):
         self.stream = stream or sys.stderr
         self.bar = None
         if enabled and self.stream.isatty():
@@ -23,11 +23,8 @@ class Progress:
             # tqdm hides bars below a screen of 0 rows
             size = shutil.get_terminal_size((100, 20))
             self.bar = tqdm(total=total_steps, unit="step", ncols=size.columns or 100,
-                            nrows=size.lines or 20, file=self.stream, desc="train", leave=True)
-
-    @property
-    def live(self) -> bool:
-        return self.bar is not None
+                            nrows=size.lines or 20, file=self.stream, desc="train", leave=True,
+                            initial=initial)
 
     def logging_redirect(self):
         """Print log records above the bar instead of through it."""
