@@ -1,10 +1,17 @@
-"""Optimizer and learning-rate schedule: AdamW, linear warmup, cosine decay."""
+"""Optimizer and learning-rate schedule: AdamW, linear warmup, cosine decay.
+
+One optimizer (and one schedule) per model part: a pipeline rank holding several stages gets
+one per stage, so the distributed state-dict helpers can map each optimizer's state to the
+parameter names of its part. ``Optimizers`` and ``Schedulers`` step them together; with a
+single part they are thin wrappers around one optimizer and one schedule.
+"""
 
 from __future__ import annotations
 
 import math
 
 import torch
+from torch import nn
 
 from automodel.config.schema import OptimConfig
 
@@ -26,3 +33,41 @@ def lr_factor(step: int, cfg: OptimConfig, max_steps: int) -> float:
 
 def build_scheduler(optimizer, cfg: OptimConfig, max_steps: int):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg, max_steps))
+
+
+class Optimizers:
+    """One optimizer per model part, stepped together."""
+
+    def __init__(self, parts: list[nn.Module], cfg: OptimConfig):
+        self.parts = list(parts)
+        self.optimizers = [build_optimizer(part.parameters(), cfg) for part in self.parts]
+
+    def step(self) -> None:
+        for opt in self.optimizers:
+            opt.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=set_to_none)
+
+
+class Schedulers:
+    """One learning-rate schedule per optimizer; they always hold the same step."""
+
+    def __init__(self, optimizers: Optimizers, cfg: OptimConfig, max_steps: int):
+        self.schedulers = [build_scheduler(opt, cfg, max_steps)
+                           for opt in optimizers.optimizers]
+
+    def step(self) -> None:
+        for s in self.schedulers:
+            s.step()
+
+    def get_last_lr(self) -> list[float]:
+        return self.schedulers[0].get_last_lr()
+
+    def state_dict(self) -> dict:
+        return self.schedulers[0].state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        for s in self.schedulers:
+            s.load_state_dict(state)

@@ -147,7 +147,7 @@ def resolve(cfg, env: Optional[Mapping[str, str]] = None, output_dir: str = ".",
     logger = build(s.LoggerConfig, plain.get("logger"), "logger")
     check_logger(logger)
     checkpoint = build(s.CheckpointConfig, plain.get("checkpoint"), "checkpoint")
-    check_checkpoint(checkpoint, trainer, pipeline is not None)
+    check_checkpoint(checkpoint, trainer, output_dir)
     if launch.kind == "local":
         distributed = dataclasses.replace(distributed, nproc_per_node=mesh.dp_size * mesh.tp_size
                                           * mesh.cp_size * mesh.pp_size)

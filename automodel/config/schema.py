@@ -190,6 +190,8 @@ class CheckpointConfig:
     dir: Optional[str] = None  # null = <output dir>/checkpoints
     keep_last: Optional[int] = 3  # null = keep all
     resume: Optional[str] = None  # null | auto (latest complete in dir) | a checkpoint path
+    export_hf: bool = False  # also write each checkpoint (and the final one) as a Hugging
+    # Face model in <checkpoint>/hf (safetensors; loadable by from_pretrained)
 
 
 @dataclass
@@ -202,6 +204,7 @@ class TrainerConfig:
     log_every: int = 10
     stop_at_step: Optional[int] = None  # end this run after this step (the schedule still
     # spans max_steps); for splitting a run into time slots
+    on_nonfinite: str = "raise"  # a NaN/inf loss or gradient norm: raise (stop) | skip the step
 
 
 # --------------------------------------------------------------------------- tracking

@@ -306,15 +306,32 @@ def check_logger(logger: s.LoggerConfig) -> None:
                           "disabled")
 
 
-def check_checkpoint(c: s.CheckpointConfig, trainer: s.TrainerConfig, pipeline: bool) -> None:
+def _check_checkpoint_files(key: str, path: str) -> None:
+    """A whole checkpoint, no shard missing or truncated (reads its metadata; imports torch)."""
+    from automodel.checkpoint.verify import CheckpointError, check_files
+
+    try:
+        check_files(path)
+    except CheckpointError as err:
+        raise ConfigError(f"{key}: {err}") from None
+
+
+def check_checkpoint(c: s.CheckpointConfig, trainer: s.TrainerConfig, output_dir: str) -> None:
     _positive("checkpoint.every_steps", c.every_steps)
     _positive("checkpoint.keep_last", c.keep_last)
-    if c.resume is not None and c.resume != "auto" and not os.path.isdir(c.resume):
-        raise ConfigError(f"checkpoint.resume={c.resume!r}: no such checkpoint directory; use "
-                          "auto (the latest in checkpoint.dir), a path, or null")
-    if pipeline and (c.every_steps or c.resume):
-        raise ConfigError("checkpoints with a pipeline are not available in this version yet; "
-                          "set checkpoint.every_steps=null and checkpoint.resume=null")
+    if c.resume is not None and c.resume != "auto":
+        if not os.path.isdir(c.resume):
+            raise ConfigError(f"checkpoint.resume={c.resume!r}: no such checkpoint directory; "
+                              "use auto (the latest in checkpoint.dir), a path, or null")
+        _check_checkpoint_files("checkpoint.resume", c.resume)
+    if c.resume == "auto":
+        from automodel.checkpoint.paths import complete_checkpoints
+
+        found = complete_checkpoints(c.dir or os.path.join(output_dir, "checkpoints"))
+        if found:
+            _check_checkpoint_files("checkpoint.resume=auto found", found[-1])
+    if trainer.on_nonfinite not in ("raise", "skip"):
+        raise ConfigError(f"trainer.on_nonfinite={trainer.on_nonfinite!r}: allowed: raise, skip")
     if trainer.stop_at_step is not None and not 1 <= trainer.stop_at_step <= trainer.max_steps:
         raise ConfigError(f"trainer.stop_at_step={trainer.stop_at_step}: must be within "
                           f"1..trainer.max_steps={trainer.max_steps}")

@@ -78,7 +78,9 @@ class PipelineStep:
                 return getattr(torch, name)
         return next(self.parts[0].parameters()).dtype
 
-    def __call__(self, micro_batches, optimizer, max_grad_norm):
+    def __call__(self, micro_batches, max_grad_norm):
+        """The schedule over the micro-batches, then clip (the optimizer step is the
+        caller's). Returns (global mean loss, gradient norm, global token count)."""
         setup = self.setup
         global_tokens = count_global_tokens(micro_batches, setup)
         self.loss.scale = setup.dp_size / global_tokens * (
@@ -98,8 +100,6 @@ class PipelineStep:
             losses.extend(chunk_losses)
         params = [p for part in self.parts for p in part.parameters()]
         grad_norm = grad_norm_and_clip(params, max_grad_norm, across_group=self.pp_group)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros(1, dtype=torch.float64, device=setup.device)
         if losses:
             loss_sum += torch.stack([x.detach() for x in losses]).sum().to(torch.float64) \

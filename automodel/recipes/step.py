@@ -90,8 +90,10 @@ def count_global_tokens(micro_batches, setup: DistributedSetup) -> int:
     return int(_all_reduce_sum(t, setup.dp_group).item())
 
 
-def train_step(model, setup: DistributedSetup, micro_batches, optimizer, max_grad_norm):
-    """Returns (global mean loss, gradient norm before clipping, global token count)."""
+def train_step(model, setup: DistributedSetup, micro_batches, max_grad_norm):
+    """Forward and backward over the micro-batches, then clip; the optimizer step is the
+    caller's. Returns (global mean loss, gradient norm before clipping, global token count),
+    the same numbers on every rank."""
     device = setup.device
     group = setup.dp_group
     global_tokens = count_global_tokens(micro_batches, setup)
@@ -115,7 +117,5 @@ def train_step(model, setup: DistributedSetup, micro_batches, optimizer, max_gra
             raise
         loss_sum += mb_loss.detach().to(torch.float64)
     grad_norm = grad_norm_and_clip(model.parameters(), max_grad_norm)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
     loss = float(_all_reduce_sum(loss_sum, group).item()) / global_tokens
     return loss, grad_norm, global_tokens

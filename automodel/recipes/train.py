@@ -6,8 +6,11 @@ build model -> parallelize -> optimizer, scheduler -> data plan -> loop -> metri
 from __future__ import annotations
 
 import logging
+import math
 import os
 import resource
+import signal
+import sys
 import time
 import warnings
 
@@ -22,8 +25,10 @@ from automodel.distributed.init import DistInfo, destroy_distributed, init_distr
 from automodel.distributed.mesh import MeshAxis, build_mesh
 from automodel.distributed.patches import patch_is_packed_sequence
 from automodel.distributed.setup import DistributedSetup
+from automodel.faults import Faults
+from automodel.launch.signals import StopSignal
 from automodel.models.builder import build_model
-from automodel.optim import build_optimizer, build_scheduler
+from automodel.optim import Optimizers, Schedulers
 from automodel.parallelize import parallelize
 from automodel.recipes.pipeline_step import PipelineStep
 from automodel.recipes.step import train_step
@@ -110,11 +115,11 @@ def _train(cfg: TrainConfig, info: DistInfo, output_dir: str) -> list[dict]:
     model = build_model(cfg.model, cfg.trainer.seed).to(info.device)
     vocab = model.config.vocab_size
     n_params = sum(p.numel() for p in model.parameters())
+    model_config = model.config.to_dict()
     parallel = parallelize(model, setup)
     model = parallel.parts[0]
-    params = [p for part in parallel.parts for p in part.parameters()]
-    optimizer = build_optimizer(params, cfg.optim)
-    scheduler = build_scheduler(optimizer, cfg.optim, cfg.trainer.max_steps)
+    optimizer = Optimizers(parallel.parts, cfg.optim)
+    scheduler = Schedulers(optimizer, cfg.optim, cfg.trainer.max_steps)
     t = cfg.trainer
     plan = BatchPlan(token_sequences(cfg.data_source, cfg.data, t.seq_len, vocab),
                      t.global_batch_size, t.seed)
@@ -128,6 +133,10 @@ def _train(cfg: TrainConfig, info: DistInfo, output_dir: str) -> list[dict]:
              setup.dp_size, setup.size(MeshAxis.TP), setup.size(MeshAxis.PP),
              type(model).__name__, n_params / 1e6, t.max_steps, t.global_batch_size, t.seq_len,
              micro, output_dir)
+    faults = Faults(info.rank)
+    checkpointer = Checkpointer(cfg.checkpoint.dir or os.path.join(output_dir, "checkpoints"),
+                                cfg.checkpoint.keep_last, info.rank, faults)
+    start_step = _restore(cfg, checkpointer, parallel.parts, optimizer, scheduler)
     metrics = MetricsWriter(output_dir, info.is_main)
     tracker = None
     if info.is_main and cfg.logger.wandb is not None:
@@ -136,31 +145,63 @@ def _train(cfg: TrainConfig, info: DistInfo, output_dir: str) -> list[dict]:
         tracker = WandbTracker(cfg.logger.wandb, output_dir, cfg.resolved, cfg.choices,
                                cfg.overrides, cfg.sweep_dir)
     records: list[dict] = []
-    checkpointer, start_step = _restore(cfg, output_dir, info, model, optimizer, scheduler)
     last_step = t.stop_at_step or t.max_steps
     progress = Progress(last_step, enabled=info.is_main, initial=start_step)
     window_tokens, window_start = 0, time.perf_counter()
     peak = None
+    saved_step = start_step
+    stop = StopSignal().install()
+
+    def save(number: int) -> None:
+        nonlocal saved_step
+        extra = {"tokenizer_path": getattr(cfg.data, "tokenizer_path", None)}
+        path = checkpointer.save(number, parallel.parts, optimizer, scheduler, model_config,
+                                 extra, export_hf=cfg.checkpoint.export_hf)
+        saved_step = number
+        log.info("checkpoint saved: %s", path)
+
+    stopped_by = None
     try:
         with progress.logging_redirect():
             for step in range(start_step, last_step):
+                number = step + 1
+                faults.before_step(number)
                 step_start = time.perf_counter()
                 lr = scheduler.get_last_lr()[0]
                 micro = plan.micro_batches(step, setup.dp_rank, setup.dp_size, t.local_batch_size)
+                hooks = faults.poison_logits(number, parallel.parts)
                 if pipeline is not None:
-                    loss, grad_norm, tokens = pipeline(micro, optimizer, cfg.optim.max_grad_norm)
+                    loss, grad_norm, tokens = pipeline(micro, cfg.optim.max_grad_norm)
                 else:
-                    loss, grad_norm, tokens = train_step(model, setup, micro, optimizer,
+                    loss, grad_norm, tokens = train_step(model, setup, micro,
                                                          cfg.optim.max_grad_norm)
+                for h in hooks:
+                    h.remove()
+                finite = math.isfinite(loss) and math.isfinite(grad_norm)
+                if finite:
+                    optimizer.step()
+                elif t.on_nonfinite == "raise":
+                    raise NonFiniteLoss(
+                        f"step {number}: loss={loss} grad_norm={grad_norm} is not finite; "
+                        f"stopped (trainer.on_nonfinite=raise). The last checkpoint is from step "
+                        f"{saved_step}; lower optim.lr or set trainer.on_nonfinite=skip to drop "
+                        "such steps")
+                else:
+                    log.warning("step %d: loss=%s grad_norm=%s is not finite: step skipped "
+                                "(trainer.on_nonfinite=skip), parameters unchanged",
+                                number, loss, grad_norm)
+                optimizer.zero_grad(set_to_none=True)
                 scheduler.step()
                 window_tokens += tokens
-                number = step + 1
-                if number % t.log_every == 0 or number == 1 or number == t.max_steps:
+                if number % t.log_every == 0 or number == 1 or number == t.max_steps \
+                        or not finite:
                     elapsed = time.perf_counter() - window_start
                     peak = _peak_memory_bytes(info)
                     record = {"step": number, "loss": loss, "grad_norm": grad_norm, "lr": lr,
                               "tokens_per_second": window_tokens / max(elapsed, 1e-9),
                               "peak_memory_bytes": peak}
+                    if not finite:
+                        record["skipped"] = True
                     if pipeline is not None:
                         record["pp_recv_buffer_bytes"] = pipeline.recv_buffer_bytes()
                     records.append(record)
@@ -173,35 +214,63 @@ def _train(cfg: TrainConfig, info: DistInfo, output_dir: str) -> list[dict]:
                     window_tokens, window_start = 0, time.perf_counter()
                 progress.update(loss, tokens / max(time.perf_counter() - step_start, 1e-9), peak)
                 every = cfg.checkpoint.every_steps
-                if checkpointer is not None and every and number % every == 0:
-                    path = checkpointer.save(number, model, optimizer, scheduler)
-                    log.info("checkpoint saved: %s", path)
+                if every and number % every == 0:
+                    save(number)
+                stopped_by = stop.agreed(info.device)
+                if stopped_by is not None:
+                    break
+        number = last_step if stopped_by is None else number
+        final = number == t.max_steps and (cfg.checkpoint.every_steps or cfg.checkpoint.export_hf)
+        if saved_step != number and (stopped_by is not None or final):
+            save(number)
     finally:
+        stop.restore()
         progress.close()
         metrics.close()
         if tracker is not None:
             tracker.finish()
+    if stopped_by is not None:
+        name = signal.Signals(stopped_by).name
+        log.warning("stopped by %s after step %d; checkpoint %s. To continue, run again with "
+                    "checkpoint.resume=auto (a requeued SLURM job does so by itself)",
+                    name, number, checkpointer.path(number))
+        if info.is_main and cfg.launch.kind != "slurm":
+            print(f"automodel: stopped by {name} after step {number}; checkpoint saved: "
+                  f"{checkpointer.path(number)}", file=sys.stderr, flush=True)
+        if cfg.launch.kind == "slurm":
+            _barrier()
+            stop.hand_over_to_submitit()  # rank 0 requeues the job and exits
     return records
 
 
-def _restore(cfg: TrainConfig, output_dir: str, info: DistInfo, model, optimizer, scheduler):
-    """(checkpointer or None, the step to start from)."""
-    c = cfg.checkpoint
-    if not c.every_steps and c.resume is None:
-        return None, 0
-    root = c.dir or os.path.join(output_dir, "checkpoints")
-    checkpointer = Checkpointer(root, c.keep_last, info.rank)
-    path = c.resume
+class NonFiniteLoss(RuntimeError):
+    """trainer.on_nonfinite=raise and a step's loss or gradient norm was NaN or infinite."""
+
+
+def _barrier():
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _restore(cfg: TrainConfig, checkpointer: Checkpointer, parts, optimizer, scheduler) -> int:
+    """Load the checkpoint ``checkpoint.resume`` names; returns the step to start from."""
+    path = cfg.checkpoint.resume
+    restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
+    if path is None and cfg.launch.kind == "slurm" and restarts > 0:
+        log.info("SLURM requeued this job (restart %d): resuming from the latest checkpoint",
+                 restarts)
+        path = "auto"
     if path == "auto":
-        found = complete_checkpoints(root)
+        found = complete_checkpoints(checkpointer.root)
         path = found[-1] if found else None
         if path is None:
-            log.info("checkpoint.resume=auto: no checkpoint in %s yet; starting at step 0", root)
+            log.info("checkpoint.resume=auto: no checkpoint in %s yet; starting at step 0",
+                     checkpointer.root)
     if path is None:
-        return checkpointer, 0
-    step = checkpointer.load(path, model, optimizer, scheduler)
+        return 0
+    step = checkpointer.load(path, parts, optimizer, scheduler)
     log.info("resumed from %s after step %d", path, step)
-    return checkpointer, step
+    return step
 
 
 def run_rank(cfg: TrainConfig) -> list[dict] | None:

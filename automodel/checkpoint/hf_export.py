@@ -1,0 +1,116 @@
+"""Export a checkpoint (saved under any layout) as a Hugging Face model directory.
+
+    python -m automodel.checkpoint.hf_export <checkpoint dir> <output dir>
+
+Reads the model weights of a torch.distributed.checkpoint directory in one process, without
+a process group (DCP reassembles DDP, FSDP2 and TP shards and pipeline stages into full
+tensors), builds the model from the saved ``model_config.json`` on the meta device (no
+memory for a second copy), and writes ``save_pretrained`` safetensors plus the config, and the
+tokenizer when the run used one. The result loads with ``AutoModelForCausalLM.from_pretrained``
+and as ``model.pretrained_path``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import warnings
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from automodel.checkpoint.verify import CheckpointError, check_files
+
+PREFIX = "model."
+
+
+def load_full_model_state(path: str) -> dict[str, torch.Tensor]:
+    """The model weights of the checkpoint at ``path`` as full tensors, keyed by name."""
+    meta = check_files(path)
+    state = {}
+    for key, info in meta.state_dict_metadata.items():
+        if key.startswith(PREFIX) and isinstance(info, TensorStorageMetadata):
+            state[key[len(PREFIX):]] = torch.empty(info.size, dtype=info.properties.dtype)
+    if not state:
+        raise CheckpointError(f"checkpoint {path} holds no model weights")
+    with warnings.catch_warnings():  # "assuming ... a single process": yes, on purpose
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load({"model": state}, checkpoint_id=path, no_dist=True)
+    return state
+
+
+def model_config_of(path: str):
+    from transformers import AutoConfig
+
+    file = os.path.join(path, "model_config.json")
+    if not os.path.isfile(file):
+        raise CheckpointError(f"checkpoint {path} has no model_config.json (written by "
+                              "automodel with every checkpoint): cannot tell which model it is")
+    with open(file) as f:
+        values = json.load(f)
+    return AutoConfig.for_model(values.pop("model_type"), **values)
+
+
+def export_hf(path: str, out: str, tokenizer_path: str | None = None) -> str:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    config = model_config_of(path)
+    state = load_full_model_state(path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    expected = set(model.state_dict())
+    missing = expected - set(state)
+    if config.tie_word_embeddings:  # one tensor under two names; either may be stored
+        missing -= {k for k in missing if k in _tied_names(model)}
+    if missing or set(state) - expected:
+        raise CheckpointError(f"checkpoint {path}: weights do not match {type(model).__name__}"
+                              f": missing {sorted(missing)[:8]}, unexpected "
+                              f"{sorted(set(state) - expected)[:8]}")
+    tmp = out.rstrip("/") + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+    if tokenizer_path is None:
+        trainer = os.path.join(path, "trainer.json")
+        if os.path.isfile(trainer):
+            with open(trainer) as f:
+                tokenizer_path = json.load(f).get("tokenizer_path")
+    if tokenizer_path:
+        AutoTokenizer.from_pretrained(tokenizer_path).save_pretrained(tmp)
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    return out
+
+
+def _tied_names(model) -> set[str]:
+    names = set()
+    out = model.get_output_embeddings()
+    inp = model.get_input_embeddings()
+    for name, module in model.named_modules():
+        if module is out or module is inp:
+            names.add(f"{name}.weight")
+    return names
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m automodel.checkpoint.hf_export",
+                                description="Write a checkpoint as a Hugging Face model.")
+    p.add_argument("checkpoint", help="a checkpoint directory (…/checkpoints/step_N)")
+    p.add_argument("output", help="the Hugging Face model directory to write")
+    p.add_argument("--tokenizer", default=None, help="a tokenizer directory to copy along")
+    args = p.parse_args(argv)
+    try:
+        out = export_hf(args.checkpoint, args.output, args.tokenizer)
+    except CheckpointError as err:
+        print(f"automodel: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

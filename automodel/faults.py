@@ -1,0 +1,82 @@
+"""Fault injection for tests and failure drills, read from ``AUTOMODEL_FAULTS`` (never from
+the training config, so a real run cannot switch it on by accident).
+
+``AUTOMODEL_FAULTS`` is a comma-separated list of ``kind@step[:rank]`` (rank omitted: every
+rank); a step is the 1-based number of the optimizer step:
+
+    nan@3            step 3's logits become NaN (so its loss and gradients do)
+    kill@3:1         rank 1 kills itself with SIGKILL at the start of step 3
+    kill_in_save@4:0 rank 0 kills itself inside the save of step 4's checkpoint, after the
+                     shards are written and before the checkpoint is made complete
+    sleep@0.2        every step sleeps 0.2 s on every rank (keeps a short run alive long
+                     enough to signal it)
+
+Everything injected runs through the real code path (real NaNs, real SIGKILL).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass
+
+ENV = "AUTOMODEL_FAULTS"
+KINDS = ("nan", "kill", "kill_in_save", "sleep")
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    value: float  # the step (or the seconds of ``sleep``)
+    rank: int | None
+
+
+def parse(text: str | None) -> list[Fault]:
+    faults = []
+    for item in (text or "").split(","):
+        item = item.strip()
+        if not item:
+            continue
+        kind, _, rest = item.partition("@")
+        where, _, rank = rest.partition(":")
+        if kind not in KINDS or not where:
+            raise ValueError(f"{ENV}={text!r}: cannot read {item!r}; expected kind@step[:rank] "
+                             f"with kind one of {', '.join(KINDS)}")
+        faults.append(Fault(kind, float(where), int(rank) if rank else None))
+    return faults
+
+
+class Faults:
+    def __init__(self, rank: int, text: str | None = None):
+        self.rank = rank
+        self.faults = [f for f in parse(os.environ.get(ENV) if text is None else text)
+                       if f.rank is None or f.rank == rank]
+
+    def _at(self, kind: str, step: int) -> bool:
+        return any(f.kind == kind and int(f.value) == step for f in self.faults)
+
+    def before_step(self, step: int) -> None:
+        """Called at the start of 1-based ``step``."""
+        for f in self.faults:
+            if f.kind == "sleep":
+                time.sleep(f.value)
+        if self._at("kill", step):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def poison_logits(self, step: int, modules) -> list:
+        """Hooks that turn the logits of ``step`` into NaN; remove them after the step."""
+        if not self._at("nan", step):
+            return []
+        return [m.register_forward_hook(_nan_output) for m in modules]
+
+    def in_save(self, step: int) -> None:
+        if self._at("kill_in_save", step):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _nan_output(module, args, output):
+    if hasattr(output, "logits"):
+        output.logits = output.logits * float("nan")
+        return output
+    return output * float("nan")

@@ -1,0 +1,72 @@
+"""Graceful stop: on SIGTERM, SIGUSR1 or SIGUSR2 a rank finishes its current step, the job
+saves a checkpoint and ends.
+
+The handler only records the signal; the training loop asks ``StopSignal.agreed()`` after
+each step, which all ranks answer together (one tiny all-reduce), so a signal that reached
+some ranks only still stops all of them after the same step. Under SLURM the handler that
+submitit installed for its preemption signal is kept and called once the checkpoint is
+written: it requeues the job (submitit's checkpoint/requeue), and the requeued job resumes
+from that checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+
+
+class StopSignal:
+    def __init__(self):
+        self.received: int | None = None
+        self.previous: dict = {}
+
+    def install(self) -> "StopSignal":
+        if threading.current_thread() is not threading.main_thread():
+            return self  # signals can only be handled on the main thread
+        for sig in STOP_SIGNALS:
+            self.previous[sig] = signal.getsignal(sig)
+            signal.signal(sig, self._handle)
+        return self
+
+    def restore(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+        self.previous = {}
+
+    def _handle(self, signum, frame) -> None:
+        if self.received is None:
+            self.received = signum
+            log.warning("received %s: finishing the current step, then saving a checkpoint",
+                        signal.Signals(signum).name)
+
+    def agreed(self, device: torch.device) -> int | None:
+        """The stop signal if any rank received one (the same answer on every rank)."""
+        value = self.received or 0
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            t = torch.tensor([value], dtype=torch.int64, device=device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            value = int(t.item())
+        return value or None
+
+    def hand_over_to_submitit(self) -> bool:
+        """Under submitit, run its preemption handler (checkpoint callable, requeue, exit).
+        Returns False when there is none."""
+        try:
+            from submitit.core.job_environment import JobEnvironment
+        except ImportError:
+            return False
+        sig = JobEnvironment._usr_sig()
+        handler = self.previous.get(sig)
+        if not callable(handler) or "submitit" not in getattr(handler, "__module__", ""):
+            return False
+        self.restore()
+        handler(sig, None)  # rank 0: requeues and exits; other ranks: returns
+        return True
