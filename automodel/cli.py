@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
+from automodel.checkpoint.errors import CheckpointError
 from automodel.config.build import ConfigError
 from automodel.launch.env import detect_launch_env
 from automodel.launch.errors import LaunchError
@@ -53,7 +54,7 @@ def run_from_hydra(cfg):
     slurm_task = detect_launch_env(os.environ).kind == "slurm"
     try:
         return _run_job(cfg, hc)
-    except (ConfigError, LaunchError) as err:
+    except (ConfigError, LaunchError, CheckpointError) as err:
         kind, code = (("configuration error", 2) if isinstance(err, ConfigError)
                       else ("job failed", 1))
         if slurm_task:

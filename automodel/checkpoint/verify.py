@@ -15,9 +15,7 @@ import os
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used: missing, truncated or from another model."""
+from automodel.checkpoint.errors import CheckpointError
 
 
 def _shorten(items: list[str], limit: int = 8) -> str:
