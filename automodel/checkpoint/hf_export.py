@@ -57,8 +57,8 @@ def model_config_of(path: str):
 def export_hf(path: str, out: str, tokenizer_path: str | None = None) -> str:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    config = model_config_of(path)
     state = load_full_model_state(path)
+    config = model_config_of(path)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     expected = set(model.state_dict())

@@ -104,15 +104,15 @@ class Checkpointer:
             if model_config is not None:
                 with open(os.path.join(tmp, "model_config.json"), "w") as f:
                     json.dump(model_config, f, indent=1, sort_keys=True)
-            if export_hf:
-                from automodel.checkpoint.hf_export import export_hf as export
-
-                export(tmp, os.path.join(tmp, "hf"), (extra or {}).get("tokenizer_path"))
             meta = {"step": step, "scheduler": scheduler.state_dict(),
                     "world_size": dist.get_world_size() if dist.is_initialized() else 1,
                     **(extra or {})}
             with open(os.path.join(tmp, "trainer.json"), "w") as f:
                 json.dump(meta, f, indent=1)
+            if export_hf:
+                from automodel.checkpoint.hf_export import export_hf as export
+
+                export(tmp, os.path.join(tmp, "hf"), (extra or {}).get("tokenizer_path"))
             os.replace(tmp, final)  # the checkpoint appears whole
             self._prune()
         _barrier()
