@@ -8,7 +8,7 @@ import sys
 from automodel.checkpoint.errors import CheckpointError
 from automodel.config.build import ConfigError
 from automodel.launch.env import detect_launch_env
-from automodel.launch.errors import LaunchError
+from automodel.launch.errors import LaunchError, TrainingStopped
 
 
 def _fail(kind: str, message: str, code: int):
@@ -44,7 +44,8 @@ def run_from_hydra(cfg):
 
     In a single run a failure exits (2: configuration, 1: a rank failed). In a local multirun
     it is reported with the job's number and overrides and raised, so Hydra runs the remaining
-    jobs and then exits non-zero. In a SLURM task (one rank of a submitit job) any failure
+    jobs and then exits non-zero. A stop signal (SIGTERM, SIGUSR1/2) saves a checkpoint and
+    exits with 128 + the signal's number. In a SLURM task (one rank of a submitit job) any failure
     exits the task non-zero, so SLURM and submitit see the job as failed and name its log.
     """
     from hydra.core.hydra_config import HydraConfig
@@ -54,6 +55,10 @@ def run_from_hydra(cfg):
     slurm_task = detect_launch_env(os.environ).kind == "slurm"
     try:
         return _run_job(cfg, hc)
+    except TrainingStopped as stopped:  # saved and stopped on request: no traceback, and a
+        # whole sweep stops too; the exit code is the shell's for that signal (143: SIGTERM)
+        print(f"automodel: {stopped}", file=sys.stderr, flush=True)
+        sys.exit(stopped.exit_code)
     except (ConfigError, LaunchError, CheckpointError) as err:
         kind, code = (("configuration error", 2) if isinstance(err, ConfigError)
                       else ("job failed", 1))

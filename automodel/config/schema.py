@@ -21,6 +21,9 @@ class DistributedConfig:
     backend: Optional[str] = None  # null = nccl with CUDA, else gloo
     timeout_minutes: int = 1  # init and collective timeout, every mesh sub-group too
     nproc_per_node: Optional[int] = None  # null = product of mesh sizes (2 for DP strategies)
+    stop_grace_seconds: int = 120  # after SIGTERM the local launcher gives its ranks this long
+    # to finish the step and save a checkpoint before killing them (torchrun: set
+    # TORCH_ELASTIC_SHUTDOWN_TIMEOUT; SLURM: the job's signal delay)
 
 
 @dataclass

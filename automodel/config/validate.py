@@ -50,6 +50,7 @@ def check_distributed(d: s.DistributedConfig) -> None:
                           "xccl, or null (nccl with CUDA, else gloo)")
     _positive("distributed.timeout_minutes", d.timeout_minutes)
     _positive("distributed.nproc_per_node", d.nproc_per_node)
+    _positive("distributed.stop_grace_seconds", d.stop_grace_seconds, 0)
 
 
 def resolve_mesh(strategy: str, m: s.MeshConfig, launch: LaunchEnv, d: s.DistributedConfig,

@@ -8,15 +8,21 @@ rank fails, the agent stops the others and the error names the failing rank.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
 import socket
+import sys
+import threading
 
+from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from automodel.config.resolve import TrainConfig
-from automodel.launch.errors import LaunchError
+from automodel.launch.errors import LaunchError, TrainingStopped
+from automodel.launch.signals import STOP_SIGNALS
 
 
 log = logging.getLogger(__name__)
@@ -32,7 +38,11 @@ def free_port() -> int:
 def _rank_entry(cfg: TrainConfig):
     from automodel.recipes.train import run_rank
 
-    return run_rank(cfg)
+    try:
+        return run_rank(cfg)
+    except TrainingStopped as stopped:  # a clean end: exit now with the shell's code for the
+        # signal (the agent may be shutting down and no longer collects results)
+        sys.exit(stopped.exit_code)
 
 
 def _failure_message(err) -> str:
@@ -46,16 +56,48 @@ def _failure_message(err) -> str:
     return "\n".join(lines)
 
 
-def run_on_local_ranks(entry, nproc: int, *args, name: str = "automodel") -> dict:
+def run_on_local_ranks(entry, nproc: int, *args, name: str = "automodel",
+                       stop_grace_seconds: int = 30) -> dict:
     """Run ``entry(*args)`` on ``nproc`` spawned local ranks (torch's elastic launch, a fresh
-    rendezvous port, no restarts). Returns {rank: result}; raises ChildFailedError."""
+    rendezvous port, no restarts). Returns {rank: result}; raises ChildFailedError, or
+    SignalException when this process is told to stop (its ranks get SIGTERM and
+    ``stop_grace_seconds`` to end)."""
     port = free_port()
     log.info("starting %d local ranks, rendezvous at 127.0.0.1:%d", nproc, port)
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"{name}-{os.getpid()}-{port}",
         rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{port}", max_restarts=0,
-        monitor_interval=0.1, start_method="spawn")
-    return elastic_launch(config, entry)(*args)
+        monitor_interval=0.1, start_method="spawn", shutdown_timeout=stop_grace_seconds)
+    with _user_signals_stop() as received:
+        try:
+            return elastic_launch(config, entry)(*args)
+        except SignalException as err:
+            err.sigval = received[0] if received else err.sigval
+            raise
+
+
+@contextlib.contextmanager
+def _user_signals_stop():
+    """SIGUSR1/SIGUSR2 to the launching process stop the run as SIGTERM does (the elastic
+    agent turns SIGTERM into a graceful stop of every rank). Yields a list that receives the
+    user signal, if one came."""
+    received: list = []
+    if threading.current_thread() is not threading.main_thread():
+        yield received
+        return
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGUSR1, signal.SIGUSR2)}
+
+    def to_sigterm(signum, frame):
+        received.append(signal.Signals(signum))
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    for sig in previous:
+        signal.signal(sig, to_sigterm)
+    try:
+        yield received
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
 
 def launch(cfg: TrainConfig):
@@ -68,7 +110,7 @@ def launch(cfg: TrainConfig):
         export_rank_environment()
         return run_rank(cfg)
     if cfg.launch.external or cfg.distributed.nproc_per_node == 1:
-        return run_rank(cfg)
+        return run_rank(cfg)  # (raises TrainingStopped after a stop signal)
 
     nproc = cfg.distributed.nproc_per_node
     threads = max(1, (os.cpu_count() or 1) // nproc)
@@ -76,9 +118,15 @@ def launch(cfg: TrainConfig):
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     os.environ.setdefault("AUTOMODEL_NUM_THREADS", os.environ["OMP_NUM_THREADS"])
     try:
-        results = run_on_local_ranks(_rank_entry, nproc, cfg)
+        results = run_on_local_ranks(_rank_entry, nproc, cfg,
+                                     stop_grace_seconds=cfg.distributed.stop_grace_seconds)
     except ChildFailedError as err:
+        codes = {f.exitcode for f in err.failures.values()}
+        if codes <= {128 + s for s in STOP_SIGNALS}:  # the ranks were signalled and saved
+            raise _stopped(cfg, min(codes) - 128) from None
         raise LaunchError(_failure_message(err)) from None
+    except SignalException as err:  # this process was told to stop; its ranks saved
+        raise _stopped(cfg, int(err.sigval)) from None
     finally:
         for k, v in saved.items():
             if v is None:
@@ -86,3 +134,13 @@ def launch(cfg: TrainConfig):
             else:
                 os.environ[k] = v
     return results[0]
+
+
+def _stopped(cfg: TrainConfig, signum: int) -> TrainingStopped:
+    from automodel.checkpoint.paths import complete_checkpoints
+
+    found = complete_checkpoints(cfg.checkpoint.dir or
+                                 os.path.join(cfg.output_dir, "checkpoints"))
+    path = found[-1] if found else None
+    step = int(os.path.basename(path).split("_")[-1]) if path else None
+    return TrainingStopped(signum, step, path)

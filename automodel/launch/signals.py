@@ -37,9 +37,10 @@ class StopSignal:
         return self
 
     def restore(self) -> None:
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
-        self.previous = {}
+        """Put back the handlers found at install (kept in ``previous``)."""
+        if threading.current_thread() is threading.main_thread():
+            for sig, handler in self.previous.items():
+                signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
     def _handle(self, signum, frame) -> None:
         if self.received is None:
@@ -67,6 +68,11 @@ class StopSignal:
         handler = self.previous.get(sig)
         if not callable(handler) or "submitit" not in getattr(handler, "__module__", ""):
             return False
-        self.restore()
-        handler(sig, None)  # rank 0: requeues and exits; other ranks: returns
+        try:
+            handler(sig, None)  # rank 0: checkpoint callable, requeue, sys.exit
+        except SystemExit:
+            pass  # the caller ends the rank, after the other ranks know
+        except Exception as err:  # e.g. requeued too many times
+            log.error("submitit did not requeue the job: %s", err)
+            return False
         return True

@@ -9,8 +9,6 @@ import logging
 import math
 import os
 import resource
-import signal
-import sys
 import time
 import warnings
 
@@ -26,6 +24,7 @@ from automodel.distributed.mesh import MeshAxis, build_mesh
 from automodel.distributed.patches import patch_is_packed_sequence
 from automodel.distributed.setup import DistributedSetup
 from automodel.faults import Faults
+from automodel.launch.errors import TrainingStopped
 from automodel.launch.signals import StopSignal
 from automodel.models.builder import build_model
 from automodel.optim import Optimizers, Schedulers
@@ -230,16 +229,13 @@ def _train(cfg: TrainConfig, info: DistInfo, output_dir: str) -> list[dict]:
         if tracker is not None:
             tracker.finish()
     if stopped_by is not None:
-        name = signal.Signals(stopped_by).name
-        log.warning("stopped by %s after step %d; checkpoint %s. To continue, run again with "
-                    "checkpoint.resume=auto (a requeued SLURM job does so by itself)",
-                    name, number, checkpointer.path(number))
-        if info.is_main and cfg.launch.kind != "slurm":
-            print(f"automodel: stopped by {name} after step {number}; checkpoint saved: "
-                  f"{checkpointer.path(number)}", file=sys.stderr, flush=True)
+        stopped = TrainingStopped(stopped_by, number, checkpointer.path(number))
+        log.warning("%s", stopped)
         if cfg.launch.kind == "slurm":
-            _barrier()
-            stop.hand_over_to_submitit()  # rank 0 requeues the job and exits
+            if stop.hand_over_to_submitit():  # rank 0: submitit requeues the job
+                log.warning("SLURM job requeued through submitit")
+            _barrier()  # no rank ends before the requeue is done
+        raise stopped
     return records
 
 
