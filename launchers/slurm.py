@@ -12,21 +12,54 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import re
 import sys
 from pathlib import Path
 
 
-def run_job(overrides: list[str], output_dir: str):
-    """What each SLURM task runs: compose, resolve in SLURM's environment, train one rank."""
-    import os
+class TrainJob:
+    """What each SLURM task runs: compose, resolve in SLURM's environment, train one rank.
 
-    from automodel.api import load_config
-    from automodel.launch.local import launch
-    from automodel.launch.support import check_runtime_support
+    Checkpointable for submitit: on preemption or time-out the ranks save a checkpoint and
+    submitit requeues the same job, which resumes from it."""
 
-    cfg = load_config(overrides, output_dir=output_dir, env=os.environ)
-    check_runtime_support(cfg)
-    return launch(cfg)
+    def __call__(self, overrides: list[str], output_dir: str):
+        import os
+
+        from automodel.api import load_config
+        from automodel.launch.errors import TrainingStopped
+        from automodel.launch.local import launch
+        from automodel.launch.support import check_runtime_support
+
+        cfg = load_config(overrides, output_dir=output_dir, env=os.environ)
+        check_runtime_support(cfg)
+        try:
+            return launch(cfg)
+        except TrainingStopped as stopped:  # saved (and requeued): end the task without a
+            # result, so submitit waits for the requeued run's
+            print(f"automodel: {stopped}", file=sys.stderr, flush=True)
+            sys.exit(stopped.exit_code)
+
+    def checkpoint(self, *args, **kwargs):
+        import submitit
+
+        return submitit.helpers.DelayedSubmission(self, *args, **kwargs)
+
+
+_SRUN_TASK_ERROR = re.compile(r"srun: error: \S+: tasks? ([\d,-]+): (.+)")
+
+
+def first_failed_task(batch_log: str) -> str:
+    """", rank N ended first (<srun's reason>)" from srun's lines in the job's log, or ""."""
+    try:
+        with open(batch_log, errors="replace") as f:
+            for line in f:
+                m = _SRUN_TASK_ERROR.search(line)
+                if m:
+                    return f": rank {m.group(1)} ended first ({m.group(2).strip()})"
+    except OSError:
+        pass
+    return ""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,9 +97,10 @@ def main(argv: list[str] | None = None) -> int:
 
     folder = args.folder or str(Path(output_dir) / ".submitit" / "%j")
     executor = submitit.AutoExecutor(folder=folder, cluster="slurm")
+    # one rank dead = the job is over: srun stops the other tasks at once
     params = dict(nodes=args.nodes, tasks_per_node=args.tasks_per_node,
                   cpus_per_task=args.cpus_per_task, timeout_min=args.time_min,
-                  name="automodel")
+                  name="automodel", slurm_srun_args=["--kill-on-bad-exit=1"])
     if args.gpus_per_node:
         params["gpus_per_node"] = args.gpus_per_node
     if args.partition:
@@ -74,15 +108,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.account:
         params["slurm_account"] = args.account
     executor.update_parameters(**params)
-    job = executor.submit(run_job, args.overrides, output_dir)
+    job = executor.submit(TrainJob(), args.overrides, output_dir)
     print(f"submitted SLURM job {job.job_id}; output in {output_dir}", flush=True)
     if not args.wait:
         return 0
     try:
         records = job.results()[0]
     except Exception as err:  # submitit raises with the job's state and log paths
-        print(f"automodel: SLURM job {job.job_id} failed; log: {job.paths.stderr}\n{err}",
-              file=sys.stderr)
+        first = first_failed_task(str(job.paths.stderr))
+        print(f"automodel: SLURM job {job.job_id} failed{first}; log: {job.paths.stderr}"
+              f"\n{err}", file=sys.stderr)
         return 1
     if records:
         print(f"SLURM job {job.job_id} finished: final loss {records[-1]['loss']:.4f}")

@@ -1,0 +1,128 @@
+"""Preemption and a dead rank on the real local SLURM cluster (see test_slurm.py).
+
+Preemption is what SLURM does to a job: SIGTERM and submitit's USR2 to every task (what
+``scancel --signal`` delivers, and what submitit's own ``job._interrupt()`` sends). The job
+must finish its step, save, requeue itself through submitit, resume on its own once SLURM
+runs it again, and end with the uninterrupted run's losses. SLURM holds a requeued job for
+about two minutes before it is eligible again; the test makes it eligible at once with
+``scontrol update StartTime=now`` (that is the only thing it shortcuts).
+"""
+
+import json
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.cli.test_cli import QUICK, ROOT, run
+from tests.helpers import train
+from tests.launch.test_slurm import LAUNCHER, _cluster_answers
+
+pytestmark = pytest.mark.skipif(not _cluster_answers(), reason="no SLURM cluster answers "
+                                "(sinfo); start one with: bash scripts/slurm_cluster.sh start")
+
+STEPS = 30
+JOB = ["parallelism=ddp", "data=synthetic", "data.num_sequences=64", f"trainer.max_steps={STEPS}",
+       "trainer.log_every=1", "trainer.global_batch_size=8", "trainer.seq_len=16"]
+
+
+def _records(path):
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _state(job_id):
+    out = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True)
+    state = re.search(r"JobState=(\S+)", out.stdout)
+    restarts = re.search(r"Restarts=(\d+)", out.stdout)
+    return (state.group(1) if state else "?"), int(restarts.group(1)) if restarts else 0
+
+
+def _preempt_and_release(job_id, metrics, at_step=5):
+    deadline = time.time() + 180
+    while time.time() < deadline and len(_records(metrics)) < at_step:
+        time.sleep(0.3)
+    assert len(_records(metrics)) >= at_step, "the job never got going"
+    for sig in ("TERM", "USR2"):  # SLURM's preemption notice, then submitit's signal
+        subprocess.run(["scancel", f"--signal={sig}", job_id], check=True)
+    deadline = time.time() + 120
+    while time.time() < deadline:  # wait for the requeue, then skip SLURM's hold
+        state, restarts = _state(job_id)
+        if restarts >= 1 and state == "PENDING":
+            subprocess.run(["scontrol", "update", f"jobid={job_id}", "StartTime=now"],
+                           check=True)
+            return
+        time.sleep(0.3)
+    raise AssertionError(f"job {job_id} was not requeued: {_state(job_id)}")
+
+
+def _final_state(job_id):
+    deadline = time.time() + 60  # the results can be in before SLURM closes the job
+    while _state(job_id)[0] in ("RUNNING", "COMPLETING") and time.time() < deadline:
+        time.sleep(0.3)
+    return _state(job_id)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    return train(JOB[1:], tmp_path_factory.mktemp("full"), base=["parallelism=ddp"])
+
+
+def test_preempted_job_requeues_resumes_and_ends_like_an_uninterrupted_run(uninterrupted,
+                                                                           tmp_path):
+    out = tmp_path / "job"
+    env = dict(__import__("os").environ, AUTOMODEL_FAULTS="sleep@0.2")
+    launcher = subprocess.Popen(LAUNCHER + ["--wait", "--tasks-per-node", "2", "--output-dir",
+                                            str(out)] + JOB, cwd=ROOT, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = launcher.stdout.readline()
+    job_id = re.search(r"submitted SLURM job (\d+)", line).group(1)
+    _preempt_and_release(job_id, out / "metrics.jsonl")
+    stdout, stderr = launcher.communicate(timeout=300)
+    assert launcher.returncode == 0, stderr
+    records = _records(out / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))  # nothing lost or redone
+    assert [r["loss"] for r in records] == [r["loss"] for r in uninterrupted]
+    assert f"final loss {uninterrupted[-1]['loss']:.4f}" in stdout
+    log = (out / "train.log").read_text()
+    assert re.search(r"stopped by SIGTERM after step (\d+); checkpoint saved", log)
+    assert "SLURM job requeued through submitit" in log
+    assert re.search(r"SLURM requeued this job \(restart 1\): resuming", log)
+    assert _final_state(job_id) == ("COMPLETED", 1)
+
+
+def test_preempted_hydra_sweep_job_resumes(uninterrupted, tmp_path):
+    sweep = tmp_path / "sweep"
+    env = dict(__import__("os").environ, AUTOMODEL_FAULTS="sleep@0.2")
+    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), "-m", "hydra/launcher=slurm",
+                             "hydra.launcher.tasks_per_node=2", f"hydra.sweep.dir={sweep}"] + JOB,
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    deadline = time.time() + 120
+    job_id = None
+    while job_id is None and time.time() < deadline:
+        found = list(sweep.glob(".submitit/*/*_submitted.pkl"))
+        job_id = found[0].name.split("_")[0] if found else None
+        time.sleep(0.3)
+    assert job_id, "the sweep submitted no job"
+    _preempt_and_release(job_id, sweep / "0" / "metrics.jsonl")
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr
+    records = _records(sweep / "0" / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    assert [r["loss"] for r in records] == [r["loss"] for r in uninterrupted]
+    assert _final_state(job_id) == ("COMPLETED", 1)
+
+
+def test_dead_rank_fails_the_job_promptly_and_is_named(tmp_path):
+    # Bound: the launcher returns within 60 s of submitting (measured ~12 s, most of it
+    # start-up); a hang would wait for the 10-minute collective timeout set here.
+    start = time.monotonic()
+    out = run(["--wait", "--tasks-per-node", "2", "--output-dir", str(tmp_path / "job"),
+               "distributed.timeout_minutes=10"] + JOB, ROOT, cmd=LAUNCHER,
+              env_extra={"AUTOMODEL_FAULTS": "kill@3:1"})
+    elapsed = time.monotonic() - start
+    assert out.returncode == 1
+    assert re.search(r"SLURM job \d+ failed: rank 1 ended first \(Killed\)", out.stderr)
+    assert elapsed < 60, f"{elapsed:.0f} s"
