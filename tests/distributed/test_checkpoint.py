@@ -11,7 +11,8 @@ RUN = ["trainer.max_steps=6", "checkpoint.every_steps=2"]
 
 
 @pytest.mark.parametrize("layout", [["parallelism=none"], ["parallelism=ddp"],
-                                    ["parallelism=fsdp2", FP32]])
+                                    ["parallelism=fsdp2", FP32],
+                                    ["parallelism=fsdp2", FP32, "mesh.tp_size=2"]])
 def test_resume_continues_bit_for_bit(layout, tmp_path):
     full = train(layout + RUN, tmp_path / "full")
     first = train(layout + RUN + ["trainer.stop_at_step=3"], tmp_path / "split")
