@@ -33,8 +33,12 @@ PIPELINE = {"pp_schedule": "1f1b", "pp_schedule_csv": None, "pp_microbatch_size"
             "pp_batch_size": None, "loss_fn": None}
 MESH = {"dp_size": None, "dp_replicate_size": None, "tp_size": 1, "cp_size": 1,
         "cp_ulysses_size": None, "pp_size": None, "ep_size": 1}
-DISTRIBUTED = {"backend": None, "timeout_minutes": 1, "nproc_per_node": None}
-TRAINER = ("max_steps", "global_batch_size", "local_batch_size", "seq_len", "seed", "log_every")
+DISTRIBUTED = {"backend": None, "timeout_minutes": 1, "nproc_per_node": None,
+               "stop_grace_seconds": 120}
+TRAINER = ("max_steps", "global_batch_size", "local_batch_size", "seq_len", "seed", "log_every",
+           "stop_at_step", "on_nonfinite")
+CHECKPOINT = {"every_steps": None, "dir": None, "keep_last": 3, "resume": None,
+              "export_hf": False}
 
 
 @pytest.mark.parametrize("choice,expected", [("ddp", DDP), ("fsdp2", FSDP2), ("hsdp", FSDP2),
@@ -69,6 +73,7 @@ def test_mesh_distributed_trainer_nodes():
     assert dict(cfg.mesh) == MESH
     assert dict(cfg.distributed) == DISTRIBUTED
     assert all(name in cfg.trainer for name in TRAINER)
+    assert dict(cfg.checkpoint) == CHECKPOINT
     assert cfg.model.name == "llama_tiny" and cfg.model.config.model_type == "llama"
     assert cfg.model.pretrained_path is None
 

@@ -350,5 +350,8 @@ def test_checkpoint_rules(tmp_path):
     assert "checkpoint.resume='/nope'" in error("checkpoint.resume=/nope")
     assert cfg("checkpoint.resume=auto", "checkpoint.every_steps=5").checkpoint.every_steps == 5
     assert "checkpoint.every_steps=0" in error("checkpoint.every_steps=0")
-    assert "pipeline" in error("parallelism=fsdp2", "pipeline=1f1b", "checkpoint.every_steps=2")
+    assert cfg("parallelism=fsdp2", "pipeline=1f1b", "checkpoint.every_steps=2").pipeline
+    assert "trainer.on_nonfinite='ignore': allowed: raise, skip" in error(
+        "trainer.on_nonfinite=ignore")
+    assert "distributed.stop_grace_seconds" in error("distributed.stop_grace_seconds=-1")
     assert "trainer.stop_at_step=200" in error("trainer.max_steps=10", "trainer.stop_at_step=200")
