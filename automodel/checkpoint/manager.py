@@ -62,6 +62,19 @@ def _quiet_single_process():
         yield
 
 
+def _rng_state() -> dict:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
 def _gather(obj) -> list:
     if dist.is_initialized() and dist.get_world_size() > 1:
         out: list = [None] * dist.get_world_size()
@@ -96,7 +109,7 @@ class Checkpointer:
         with _quiet_single_process():
             dcp.save(_merged(_part_states(parts, optimizers)), checkpoint_id=tmp,
                      no_dist=not dist.is_initialized())
-        torch.save({"cpu": torch.get_rng_state()}, os.path.join(tmp, f"rng_rank{self.rank}.pt"))
+        torch.save(_rng_state(), os.path.join(tmp, f"rng_rank{self.rank}.pt"))
         if self.faults is not None:
             self.faults.in_save(step)
         _barrier()
@@ -148,8 +161,8 @@ class Checkpointer:
             trainer = json.load(f)
         scheduler.load_state_dict(trainer["scheduler"])
         rng = os.path.join(path, f"rng_rank{self.rank}.pt")
-        if os.path.isfile(rng):
-            torch.set_rng_state(torch.load(rng)["cpu"])
+        if os.path.isfile(rng):  # (a rank the saving job did not have keeps its own)
+            _set_rng_state(torch.load(rng))
         return int(trainer["step"])
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import resource
 import time
 import warnings
 
@@ -31,8 +30,7 @@ from automodel.optim import Optimizers, Schedulers
 from automodel.parallelize import parallelize
 from automodel.recipes.pipeline_step import PipelineStep
 from automodel.recipes.step import train_step
-from automodel.tracking.metrics import MetricsWriter
-from automodel.tracking.progress import Progress
+from automodel.recipes.step_log import StepLog
 
 log = logging.getLogger("automodel")
 
@@ -68,18 +66,6 @@ def _agree_output_dir(output_dir: str, info: DistInfo) -> str:
         dist.broadcast_object_list(box, src=0)
         return box[0]
     return output_dir
-
-
-def _peak_memory_bytes(info: DistInfo) -> int:
-    if info.device.type == "cuda":
-        value = torch.cuda.max_memory_allocated(info.device)
-    else:  # Linux reports the peak resident set in KiB
-        value = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    if dist.is_initialized():
-        t = torch.tensor([value], dtype=torch.float64, device=info.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        value = int(t.item())
-    return int(value)
 
 
 def build_setup(cfg: TrainConfig, info: DistInfo) -> DistributedSetup:
@@ -136,36 +122,27 @@ def _train(cfg: TrainConfig, info: DistInfo, output_dir: str) -> list[dict]:
     checkpointer = Checkpointer(cfg.checkpoint.dir or os.path.join(output_dir, "checkpoints"),
                                 cfg.checkpoint.keep_last, info.rank, faults)
     start_step = _restore(cfg, checkpointer, parallel.parts, optimizer, scheduler)
-    metrics = MetricsWriter(output_dir, info.is_main)
-    tracker = None
-    if info.is_main and cfg.logger.wandb is not None:
-        from automodel.tracking.wandb_logger import WandbTracker
-
-        tracker = WandbTracker(cfg.logger.wandb, output_dir, cfg.resolved, cfg.choices,
-                               cfg.overrides, cfg.sweep_dir)
-    records: list[dict] = []
     last_step = t.stop_at_step or t.max_steps
-    progress = Progress(last_step, enabled=info.is_main, initial=start_step)
-    window_tokens, window_start = 0, time.perf_counter()
-    peak = None
-    saved_step = start_step
+    steplog = StepLog(cfg, info, output_dir, start_step, last_step,
+                      extra=(lambda: {"pp_recv_buffer_bytes": pipeline.recv_buffer_bytes()})
+                      if pipeline is not None else None)
+    saved_step, number, stopped_by = start_step, start_step, None
     stop = StopSignal().install()
 
-    def save(number: int) -> None:
+    def save(step_number: int) -> None:
         nonlocal saved_step
         extra = {"tokenizer_path": getattr(cfg.data, "tokenizer_path", None)}
-        path = checkpointer.save(number, parallel.parts, optimizer, scheduler, model_config,
+        path = checkpointer.save(step_number, parallel.parts, optimizer, scheduler, model_config,
                                  extra, export_hf=cfg.checkpoint.export_hf)
-        saved_step = number
+        saved_step = step_number
         log.info("checkpoint saved: %s", path)
 
-    stopped_by = None
     try:
-        with progress.logging_redirect():
+        with steplog.logging_redirect():
             for step in range(start_step, last_step):
                 number = step + 1
                 faults.before_step(number)
-                step_start = time.perf_counter()
+                started = time.perf_counter()
                 lr = scheduler.get_last_lr()[0]
                 micro = plan.micro_batches(step, setup.dp_rank, setup.dp_size, t.local_batch_size)
                 hooks = faults.poison_logits(number, parallel.parts)
@@ -176,58 +153,28 @@ def _train(cfg: TrainConfig, info: DistInfo, output_dir: str) -> list[dict]:
                                                          cfg.optim.max_grad_norm)
                 for h in hooks:
                     h.remove()
+                # loss and gradient norm are global: every rank takes the same branch
                 finite = math.isfinite(loss) and math.isfinite(grad_norm)
                 if finite:
                     optimizer.step()
-                elif t.on_nonfinite == "raise":
-                    raise NonFiniteLoss(
-                        f"step {number}: loss={loss} grad_norm={grad_norm} is not finite; "
-                        f"stopped (trainer.on_nonfinite=raise). The last checkpoint is from step "
-                        f"{saved_step}; lower optim.lr or set trainer.on_nonfinite=skip to drop "
-                        "such steps")
                 else:
-                    log.warning("step %d: loss=%s grad_norm=%s is not finite: step skipped "
-                                "(trainer.on_nonfinite=skip), parameters unchanged",
-                                number, loss, grad_norm)
+                    _nonfinite(number, loss, grad_norm, t.on_nonfinite, saved_step)
                 optimizer.zero_grad(set_to_none=True)
                 scheduler.step()
-                window_tokens += tokens
-                if number % t.log_every == 0 or number == 1 or number == t.max_steps \
-                        or not finite:
-                    elapsed = time.perf_counter() - window_start
-                    peak = _peak_memory_bytes(info)
-                    record = {"step": number, "loss": loss, "grad_norm": grad_norm, "lr": lr,
-                              "tokens_per_second": window_tokens / max(elapsed, 1e-9),
-                              "peak_memory_bytes": peak}
-                    if not finite:
-                        record["skipped"] = True
-                    if pipeline is not None:
-                        record["pp_recv_buffer_bytes"] = pipeline.recv_buffer_bytes()
-                    records.append(record)
-                    metrics.write(record)
-                    if tracker is not None:
-                        tracker.log(record)
-                    log.info("step %d/%d  loss %.4f  grad_norm %.3f  lr %.2e  %.0f tok/s  "
-                             "peak %.0f MiB", number, t.max_steps, loss, grad_norm, lr,
-                             record["tokens_per_second"], peak / 2**20)
-                    window_tokens, window_start = 0, time.perf_counter()
-                progress.update(loss, tokens / max(time.perf_counter() - step_start, 1e-9), peak)
-                every = cfg.checkpoint.every_steps
-                if every and number % every == 0:
+                steplog.step(number, loss, grad_norm, lr, tokens, time.perf_counter() - started,
+                             skipped=not finite)
+                if cfg.checkpoint.every_steps and number % cfg.checkpoint.every_steps == 0:
                     save(number)
                 stopped_by = stop.agreed(info.device)
-                if stopped_by is not None:
+                if stopped_by is not None and number < last_step:
                     break
-        number = last_step if stopped_by is None else number
+                stopped_by = None  # (a signal during the last step: the run is done anyway)
         final = number == t.max_steps and (cfg.checkpoint.every_steps or cfg.checkpoint.export_hf)
         if saved_step != number and (stopped_by is not None or final):
             save(number)
     finally:
         stop.restore()
-        progress.close()
-        metrics.close()
-        if tracker is not None:
-            tracker.finish()
+        steplog.close()
     if stopped_by is not None:
         stopped = TrainingStopped(stopped_by, number, checkpointer.path(number))
         log.warning("%s", stopped)
@@ -236,7 +183,17 @@ def _train(cfg: TrainConfig, info: DistInfo, output_dir: str) -> list[dict]:
                 log.warning("SLURM job requeued through submitit")
             _barrier()  # no rank ends before the requeue is done
         raise stopped
-    return records
+    return steplog.records
+
+
+def _nonfinite(number: int, loss: float, grad_norm: float, policy: str, saved_step: int):
+    if policy == "raise":
+        raise NonFiniteLoss(
+            f"step {number}: loss={loss} grad_norm={grad_norm} is not finite; stopped "
+            f"(trainer.on_nonfinite=raise). The last checkpoint is from step {saved_step}; "
+            "lower optim.lr or set trainer.on_nonfinite=skip to drop such steps")
+    log.warning("step %d: loss=%s grad_norm=%s is not finite: step skipped "
+                "(trainer.on_nonfinite=skip), parameters unchanged", number, loss, grad_norm)
 
 
 class NonFiniteLoss(RuntimeError):

@@ -126,3 +126,12 @@ def test_dead_rank_fails_the_job_promptly_and_is_named(tmp_path):
     assert out.returncode == 1
     assert re.search(r"SLURM job \d+ failed: rank 1 ended first \(Killed\)", out.stderr)
     assert elapsed < 60, f"{elapsed:.0f} s"
+    # the same through a Hydra sweep on SLURM: the sweep fails, srun's line names the rank
+    start = time.monotonic()
+    sweep = run(["-m", "hydra/launcher=slurm", "hydra.launcher.tasks_per_node=2",
+                 f"hydra.sweep.dir={tmp_path}/sweep", "distributed.timeout_minutes=10"] + JOB,
+                tmp_path, env_extra={"AUTOMODEL_FAULTS": "kill@3:1"})
+    elapsed = time.monotonic() - start
+    assert sweep.returncode != 0
+    assert re.search(r"task 1: Killed", sweep.stderr), sweep.stderr
+    assert elapsed < 60, f"{elapsed:.0f} s"
