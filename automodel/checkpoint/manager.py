@@ -166,4 +166,4 @@ class Checkpointer:
         return int(trainer["step"])
 
 
-__all__ = ["Checkpointer", "CheckpointError", "complete_checkpoints"]
+__all__ = ["Checkpointer", "CheckpointError"]

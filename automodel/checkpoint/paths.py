@@ -8,8 +8,17 @@ import re
 _NAME = re.compile(r"^step_(\d{8})$")
 
 
+def checkpoint_root(directory: str | None, output_dir: str) -> str:
+    """``checkpoint.dir``, or ``<output dir>/checkpoints`` when it is null."""
+    return directory or os.path.join(output_dir, "checkpoints")
+
+
 def checkpoint_path(root: str, step: int) -> str:
     return os.path.join(root, f"step_{step:08d}")
+
+
+def step_of(path: str) -> int:
+    return int(_NAME.match(os.path.basename(path)).group(1))
 
 
 def complete_checkpoints(root: str) -> list[str]:

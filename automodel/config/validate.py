@@ -326,9 +326,9 @@ def check_checkpoint(c: s.CheckpointConfig, trainer: s.TrainerConfig, output_dir
                               "use auto (the latest in checkpoint.dir), a path, or null")
         _check_checkpoint_files("checkpoint.resume", c.resume)
     if c.resume == "auto":
-        from automodel.checkpoint.paths import complete_checkpoints
+        from automodel.checkpoint.paths import checkpoint_root, complete_checkpoints
 
-        found = complete_checkpoints(c.dir or os.path.join(output_dir, "checkpoints"))
+        found = complete_checkpoints(checkpoint_root(c.dir, output_dir))
         if found:
             _check_checkpoint_files("checkpoint.resume=auto found", found[-1])
     if trainer.on_nonfinite not in ("raise", "skip"):

@@ -137,10 +137,8 @@ def launch(cfg: TrainConfig):
 
 
 def _stopped(cfg: TrainConfig, signum: int) -> TrainingStopped:
-    from automodel.checkpoint.paths import complete_checkpoints
+    from automodel.checkpoint.paths import checkpoint_root, complete_checkpoints, step_of
 
-    found = complete_checkpoints(cfg.checkpoint.dir or
-                                 os.path.join(cfg.output_dir, "checkpoints"))
-    path = found[-1] if found else None
-    step = int(os.path.basename(path).split("_")[-1]) if path else None
-    return TrainingStopped(signum, step, path)
+    found = complete_checkpoints(checkpoint_root(cfg.checkpoint.dir, cfg.output_dir))
+    return TrainingStopped(signum, step_of(found[-1]) if found else None,
+                           found[-1] if found else None)

@@ -14,7 +14,8 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from automodel.checkpoint.manager import Checkpointer, complete_checkpoints
+from automodel.checkpoint.manager import Checkpointer
+from automodel.checkpoint.paths import checkpoint_root, complete_checkpoints
 from automodel.config.resolve import TrainConfig
 from automodel.data.batches import BatchPlan
 from automodel.data.sources import token_sequences
@@ -119,7 +120,7 @@ def _train(cfg: TrainConfig, info: DistInfo, output_dir: str) -> list[dict]:
              type(model).__name__, n_params / 1e6, t.max_steps, t.global_batch_size, t.seq_len,
              micro, output_dir)
     faults = Faults(info.rank)
-    checkpointer = Checkpointer(cfg.checkpoint.dir or os.path.join(output_dir, "checkpoints"),
+    checkpointer = Checkpointer(checkpoint_root(cfg.checkpoint.dir, output_dir),
                                 cfg.checkpoint.keep_last, info.rank, faults)
     start_step = _restore(cfg, checkpointer, parallel.parts, optimizer, scheduler)
     last_step = t.stop_at_step or t.max_steps

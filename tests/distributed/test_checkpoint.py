@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from automodel.checkpoint.manager import complete_checkpoints
+from automodel.checkpoint.paths import complete_checkpoints
 from tests.helpers import FP32, train
 
 RUN = ["trainer.max_steps=6", "checkpoint.every_steps=2"]

@@ -6,6 +6,7 @@ real loss, real SIGKILLs of real rank processes.
 
 import hashlib
 import os
+import re
 import shutil
 import time
 
@@ -82,7 +83,7 @@ def test_foreign_checkpoint_names_path_and_keys(name, model, message, good, tmp_
         run(BASE + DDP + RUN + model + [f"checkpoint.resume={ckpt}"], str(tmp_path))
     text = str(err.value)
     assert f"checkpoint {ckpt} does not fit this model" in text
-    assert __import__("re").search(message, text), text
+    assert re.search(message, text), text
     assert _digest(good[1]) == before
     assert complete_checkpoints(str(tmp_path / "checkpoints")) == []
 

@@ -9,6 +9,7 @@ about two minutes before it is eligible again; the test makes it eligible at onc
 """
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -16,7 +17,7 @@ import time
 
 import pytest
 
-from tests.cli.test_cli import QUICK, ROOT, run
+from tests.cli.test_cli import ROOT, run
 from tests.helpers import train
 from tests.launch.test_slurm import LAUNCHER, _cluster_answers
 
@@ -72,7 +73,7 @@ def uninterrupted(tmp_path_factory):
 def test_preempted_job_requeues_resumes_and_ends_like_an_uninterrupted_run(uninterrupted,
                                                                            tmp_path):
     out = tmp_path / "job"
-    env = dict(__import__("os").environ, AUTOMODEL_FAULTS="sleep@0.2")
+    env = dict(os.environ, AUTOMODEL_FAULTS="sleep@0.2")
     launcher = subprocess.Popen(LAUNCHER + ["--wait", "--tasks-per-node", "2", "--output-dir",
                                             str(out)] + JOB, cwd=ROOT, env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -94,7 +95,7 @@ def test_preempted_job_requeues_resumes_and_ends_like_an_uninterrupted_run(unint
 
 def test_preempted_hydra_sweep_job_resumes(uninterrupted, tmp_path):
     sweep = tmp_path / "sweep"
-    env = dict(__import__("os").environ, AUTOMODEL_FAULTS="sleep@0.2")
+    env = dict(os.environ, AUTOMODEL_FAULTS="sleep@0.2")
     proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), "-m", "hydra/launcher=slurm",
                              "hydra.launcher.tasks_per_node=2", f"hydra.sweep.dir={sweep}"] + JOB,
                             cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
