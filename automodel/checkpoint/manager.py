@@ -100,10 +100,8 @@ class Checkpointer:
         if self.rank == 0:
             os.makedirs(self.root, exist_ok=True)
             for name in os.listdir(self.root):  # an earlier save that never finished
-                if name.startswith(".tmp-"):
+                if name.startswith((".tmp-", ".old-")):
                     shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
-            if os.path.isdir(final):  # the same step saved before (a rerun): replace it
-                shutil.rmtree(final)
             os.makedirs(tmp)
         _barrier()
         with _quiet_single_process():
@@ -126,7 +124,11 @@ class Checkpointer:
                 from automodel.checkpoint.hf_export import export_hf as export
 
                 export(tmp, os.path.join(tmp, "hf"), (extra or {}).get("tokenizer_path"))
+            old = os.path.join(self.root, f".old-step_{step:08d}")
+            if os.path.isdir(final):  # the same step saved by an earlier run: keep it until
+                os.replace(final, old)  # the new one is in place
             os.replace(tmp, final)  # the checkpoint appears whole
+            shutil.rmtree(old, ignore_errors=True)
             self._prune()
         _barrier()
         return final

@@ -31,3 +31,12 @@ def test_atomic_directories_and_keep_last(tmp_path):
     assert [os.path.basename(p) for p in complete_checkpoints(str(root))] == [
         "step_00000004", "step_00000006"]
     assert not any(n.startswith(".tmp-") for n in os.listdir(root))
+    # a rerun from step 4 saves step 6 again: the new one replaces the old one whole
+    before = os.stat(root / "step_00000006" / "trainer.json").st_mtime_ns
+    again = train(["parallelism=ddp", "checkpoint.keep_last=2",
+                   f"checkpoint.resume={root / 'step_00000004'}"] + RUN, tmp_path / "run")
+    assert [r["step"] for r in again] == [5, 6]
+    assert [os.path.basename(p) for p in complete_checkpoints(str(root))] == [
+        "step_00000004", "step_00000006"]
+    assert os.stat(root / "step_00000006" / "trainer.json").st_mtime_ns > before
+    assert sorted(os.listdir(root)) == ["step_00000004", "step_00000006"]
