@@ -35,8 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from automodel.api import run
+    from automodel.checkpoint.errors import CheckpointError
     from automodel.config.build import ConfigError
-    from automodel.launch.errors import LaunchError
+    from automodel.launch.errors import LaunchError, TrainingStopped
 
     overrides = (saved_overrides(args.rerun) if args.rerun else []) + args.overrides
     output_dir = args.output_dir or str(
@@ -46,9 +47,12 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"automodel: configuration error:\n{err}", file=sys.stderr)
         return 2
-    except LaunchError as err:
+    except (LaunchError, CheckpointError) as err:
         print(f"automodel: job failed:\n{err}", file=sys.stderr)
         return 1
+    except TrainingStopped as stopped:  # saved; exit as train.py does (143 for SIGTERM)
+        print(f"automodel: {stopped}", file=sys.stderr)
+        return stopped.exit_code
     if records:
         print(f"final loss {records[-1]['loss']:.4f}; metrics in {output_dir}/metrics.jsonl")
     return 0

@@ -19,7 +19,7 @@ from automodel.checkpoint.paths import complete_checkpoints
 from tests.cli.test_cli import ROOT, TRAIN
 from tests.helpers import BASE, train
 
-STEPS = 40
+STEPS = 24
 RUN = BASE[:] + [f"trainer.max_steps={STEPS}", "trainer.log_every=1"]
 
 
@@ -100,4 +100,20 @@ def test_torchrun_sigterm_saves_and_resumes(uninterrupted, tmp_path):
     assert again.returncode == 0, again.stderr
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    assert [r["loss"] for r in records] == [r["loss"] for r in uninterrupted(layout)]
+
+
+def test_local_launcher_module_sigterm_saves_and_resumes(uninterrupted, tmp_path):
+    out = tmp_path / "run"
+    layout = ["parallelism=ddp"]
+    cmd = [sys.executable, "-m", "launchers.local", "--output-dir", str(out)] + RUN + layout
+    env = {"PYTHONPATH": str(ROOT)}
+    code, stderr = _signal_midway(cmd, out, signal.SIGTERM, env)
+    assert code == 143, stderr
+    [ckpt] = complete_checkpoints(str(out / "checkpoints"))
+    assert f"checkpoint saved: {ckpt}" in stderr and "Traceback" not in stderr
+    again = subprocess.run(cmd + ["checkpoint.resume=auto"], cwd=tmp_path, capture_output=True,
+                           text=True, timeout=300, env=dict(os.environ, **env))
+    assert again.returncode == 0, again.stderr
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["loss"] for r in records] == [r["loss"] for r in uninterrupted(layout)]
