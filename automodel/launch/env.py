@@ -12,6 +12,7 @@ class LaunchEnv:
     world_size: Optional[int] = None  # known only when an outer launcher started the ranks
     local_world_size: Optional[int] = None
     rank: int = 0
+    restarts: int = 0  # how often SLURM requeued this job (it then resumes by itself)
 
     @property
     def external(self) -> bool:
@@ -28,5 +29,6 @@ def detect_launch_env(env: Mapping[str, str]) -> LaunchEnv:
     if "SLURM_STEP_ID" in env and (ntasks > 1 or env.get("SUBMITIT_EXECUTOR") == "slurm"):
         local = int(env.get("SLURM_STEP_TASKS_PER_NODE", env.get("SLURM_NTASKS_PER_NODE", "1"))
                     .split("(")[0].split(",")[0])
-        return LaunchEnv("slurm", ntasks, local, int(env.get("SLURM_PROCID", "0")))
+        return LaunchEnv("slurm", ntasks, local, int(env.get("SLURM_PROCID", "0")),
+                         int(env.get("SLURM_RESTART_COUNT") or 0))
     return LaunchEnv("local")

@@ -209,10 +209,9 @@ def _barrier():
 def _restore(cfg: TrainConfig, checkpointer: Checkpointer, parts, optimizer, scheduler) -> int:
     """Load the checkpoint ``checkpoint.resume`` names; returns the step to start from."""
     path = cfg.checkpoint.resume
-    restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
-    if path is None and cfg.launch.kind == "slurm" and restarts > 0:
+    if path is None and cfg.launch.restarts > 0:
         log.info("SLURM requeued this job (restart %d): resuming from the latest checkpoint",
-                 restarts)
+                 cfg.launch.restarts)
         path = "auto"
     if path == "auto":
         found = complete_checkpoints(checkpointer.root)

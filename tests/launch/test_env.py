@@ -1,0 +1,20 @@
+"""Which launcher started a process, read from its environment."""
+
+from automodel.launch.env import detect_launch_env
+
+SRUN_TASK = {"SLURM_STEP_ID": "0", "SLURM_NTASKS": "2", "SLURM_STEP_NUM_TASKS": "2",
+             "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_PROCID": "1", "SUBMITIT_EXECUTOR": "slurm"}
+
+
+def test_srun_task_is_a_rank_and_knows_when_it_was_requeued():
+    first = detect_launch_env(SRUN_TASK)
+    assert (first.kind, first.world_size, first.local_world_size, first.rank,
+            first.restarts) == ("slurm", 2, 2, 1, 0)
+    assert detect_launch_env({**SRUN_TASK, "SLURM_RESTART_COUNT": "2"}).restarts == 2
+
+
+def test_torchrun_and_local():
+    torchrun = detect_launch_env({"TORCHELASTIC_RUN_ID": "x", "RANK": "3", "WORLD_SIZE": "4",
+                                  "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "h"})
+    assert (torchrun.kind, torchrun.world_size, torchrun.rank) == ("torchrun", 4, 3)
+    assert detect_launch_env({}).kind == "local" and detect_launch_env({}).restarts == 0
