@@ -87,7 +87,8 @@ def test_preempted_job_requeues_resumes_and_ends_like_an_uninterrupted_run(unint
     assert [r["loss"] for r in records] == [r["loss"] for r in uninterrupted]
     assert f"final loss {uninterrupted[-1]['loss']:.4f}" in stdout
     log = (out / "train.log").read_text()
-    assert re.search(r"stopped by SIGTERM after step (\d+); checkpoint saved", log)
+    # (SLURM does not promise which of the two signals reaches the tasks first)
+    assert re.search(r"stopped by SIG(TERM|USR2) after step (\d+); checkpoint saved", log)
     assert "SLURM job requeued through submitit" in log
     assert re.search(r"SLURM requeued this job \(restart 1\): resuming", log)
     assert _final_state(job_id) == ("COMPLETED", 1)
