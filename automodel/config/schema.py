@@ -213,11 +213,15 @@ class TrainerConfig:
 # --------------------------------------------------------------------------- tracking
 @dataclass
 class WandbConfig:
-    """Weights & Biases, from rank 0 only. ``mode: offline`` needs no network."""
+    """Weights & Biases, from rank 0 only. ``mode: offline`` needs no network.
 
-    project: str = "automodel"
-    entity: Optional[str] = None
-    mode: str = "online"  # online | offline | disabled
+    When ``project``, ``entity``, ``mode`` or ``dir`` is null, W&B's own environment variable
+    applies (WANDB_PROJECT, WANDB_ENTITY, WANDB_MODE, WANDB_DIR); a value set here wins.
+    """
+
+    project: Optional[str] = None  # null = $WANDB_PROJECT, else "automodel"
+    entity: Optional[str] = None  # null = $WANDB_ENTITY, else the account's default entity
+    mode: Optional[str] = None  # online | offline | disabled; null = $WANDB_MODE, else online
     group: Optional[str] = None  # null = the sweep's directory name in a multirun
     job_type: str = "train"
     name: Optional[str] = None  # null = the output directory's name

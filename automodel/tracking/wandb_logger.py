@@ -29,20 +29,45 @@ def run_tags(choices: dict, extra: list) -> list:
     return tags + list(extra)
 
 
+DEFAULT_PROJECT = "automodel"
+
+
+def init_kwargs(cfg: WandbConfig, output_dir: str, resolved: dict, choices: dict,
+                overrides: list, sweep_dir: str | None, env=os.environ) -> dict:
+    """The keyword arguments of ``wandb.init`` for this job (pure: no wandb, no files).
+
+    ``mode``, ``entity``, ``project`` and ``dir`` come from the config when it sets them, else
+    from W&B's own variables (WANDB_MODE, WANDB_ENTITY, WANDB_PROJECT, WANDB_DIR) as they are
+    now: wandb reads its environment once per process (``wandb.setup``) and ignores later
+    changes, and one process may run several jobs (``parallelism=none``, sweeps, the API).
+    With neither, ``mode`` and ``entity`` are left out (W&B's settings and defaults apply),
+    the project is "automodel" and the run writes into the job's output directory.
+    """
+    kwargs = {}
+    for key, var in (("mode", "WANDB_MODE"), ("entity", "WANDB_ENTITY")):
+        value = getattr(cfg, key) or env.get(var)
+        if value:
+            kwargs[key] = value
+    kwargs["project"] = cfg.project or env.get("WANDB_PROJECT") or DEFAULT_PROJECT
+    kwargs["dir"] = cfg.dir or env.get("WANDB_DIR") or output_dir
+    group = cfg.group or (os.path.basename(os.path.normpath(sweep_dir)) if sweep_dir else None)
+    kwargs.update(
+        group=group, job_type=cfg.job_type,
+        name=cfg.name or os.path.basename(os.path.normpath(output_dir)),
+        tags=run_tags(choices, cfg.tags), id=cfg.id or stable_run_id(output_dir, env),
+        resume="allow", reinit="finish_previous",
+        config={"config": resolved, "choices": choices, "overrides": overrides})
+    return kwargs
+
+
 class WandbTracker:
     def __init__(self, cfg: WandbConfig, output_dir: str, resolved: dict, choices: dict,
                  overrides: list, sweep_dir: str | None):
         import wandb
 
-        directory = cfg.dir or os.environ.get("WANDB_DIR") or output_dir
-        os.makedirs(directory, exist_ok=True)
-        group = cfg.group or (os.path.basename(os.path.normpath(sweep_dir)) if sweep_dir else None)
-        self.run = wandb.init(
-            project=cfg.project, entity=cfg.entity, mode=cfg.mode, group=group,
-            job_type=cfg.job_type, name=cfg.name or os.path.basename(os.path.normpath(output_dir)),
-            tags=run_tags(choices, cfg.tags), id=cfg.id or stable_run_id(output_dir),
-            resume="allow", dir=directory, reinit="finish_previous",
-            config={"config": resolved, "choices": choices, "overrides": overrides})
+        kwargs = init_kwargs(cfg, output_dir, resolved, choices, overrides, sweep_dir)
+        os.makedirs(kwargs["dir"], exist_ok=True)
+        self.run = wandb.init(**kwargs)
 
     def log(self, record: dict) -> None:
         self.run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
