@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-CONF_DIR = os.environ.get("AUTOMODEL_CONF_DIR", str(Path(__file__).resolve().parent.parent / "conf"))
+CONF_DIR = os.environ.get("AUTOMODEL_CONF_DIR",
+                          str(Path(__file__).resolve().parent.parent / "conf"))
 
 
 def compose(overrides: list[str] | None = None):
@@ -23,9 +24,9 @@ def compose(overrides: list[str] | None = None):
 
 def load_config(overrides: list[str] | None = None, output_dir: str = ".", env=None):
     """Compose and resolve: a validated ``TrainConfig`` (raises ``ConfigError``)."""
-    from automodel.config.resolve import resolve
-
     from omegaconf import OmegaConf
+
+    from automodel.config.resolve import resolve
 
     cfg = compose(overrides)
     choices = OmegaConf.to_container(cfg.hydra.runtime.choices)
@@ -35,8 +36,10 @@ def load_config(overrides: list[str] | None = None, output_dir: str = ".", env=N
 def run(overrides: list[str] | None = None, output_dir: str = "."):
     """Train as ``python train.py <overrides>`` would; returns rank 0's metric records."""
     from automodel.launch.local import launch
+    from automodel.launch.preflight import check_model_layout
     from automodel.launch.support import check_runtime_support
 
     cfg = load_config(overrides, output_dir)
     check_runtime_support(cfg)
+    check_model_layout(cfg)
     return launch(cfg)

@@ -20,6 +20,7 @@ from automodel.distributed.compile import apply_compile
 from automodel.distributed.ddp import apply_ddp
 from automodel.distributed.fsdp2 import apply_fsdp2, build_policy
 from automodel.distributed.mesh import MeshAxis
+from automodel.distributed.pipelining.split import ties_embeddings
 from automodel.distributed.pipelining.stages import split_model
 from automodel.distributed.setup import DistributedSetup
 from automodel.distributed.tensor_parallel import apply_tp, expand_plan
@@ -34,6 +35,7 @@ class ModelParts:
     parts: list
     stage_ids: list  # pipeline stage index of each part ([0] without a pipeline)
     num_stages: int = 1
+    tied_embeddings: bool = False  # split stages hold copies of one embedding/head weight
 
 
 def parallelize(model: nn.Module, setup: DistributedSetup) -> ModelParts:
@@ -42,6 +44,7 @@ def parallelize(model: nn.Module, setup: DistributedSetup) -> ModelParts:
     if setup.size(MeshAxis.TP) > 1:
         tp_plan = select_tp_plan(model, setup.options.tp_plan)
         expand_plan(model, *tp_plan)  # every pattern must match the whole model
+    tied = setup.pp_enabled and ties_embeddings(model)
     if setup.pp_enabled:
         parts, stage_ids, num_stages = split_model(
             model, setup.pipeline, setup.mesh.local_rank(MeshAxis.PP), setup.size(MeshAxis.PP))
@@ -61,7 +64,7 @@ def parallelize(model: nn.Module, setup: DistributedSetup) -> ModelParts:
         if getattr(setup.options, "enable_compile", False):
             apply_compile(part, blocks)
         result.append(apply_data_parallel(part, blocks, setup))
-    return ModelParts(result, stage_ids, num_stages)
+    return ModelParts(result, stage_ids, num_stages, tied)
 
 
 def apply_data_parallel(part: nn.Module, blocks: list[str], setup: DistributedSetup) -> nn.Module:

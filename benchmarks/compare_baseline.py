@@ -1,6 +1,7 @@
 """How much does automodel cost over a hand-written PyTorch loop?
 
-For each layout (DDP, FSDP2 and tensor parallel TP=2; 2 ranks each) this trains the same model on the same token
+For each layout (DDP, FSDP2 and tensor parallel TP=2; 2 ranks each) this trains the same model
+on the same token
 sequences twice in one invocation: once through ``automodel.api.run`` and once through the
 minimal loop in ``baseline_rank`` below. It prints the median step time and the peak memory
 of both, their ratios (automodel / baseline) and both final losses as a sanity check.
@@ -147,8 +148,11 @@ def parallelize_by_hand(model) -> None:
     """The textbook Llama TP plan, written out with parallelize_module."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                   parallelize_module)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     mesh = init_device_mesh("cpu", (NPROC,))
     plan = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),

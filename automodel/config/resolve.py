@@ -18,17 +18,21 @@ from automodel.config.build import ConfigError, build
 from automodel.config.policies import PolicySpec, resolve_policy
 from automodel.config.validate import (
     check_ac_and_strategy,
+    check_checkpoint,
     check_data,
     check_distributed,
     check_dtype,
-    check_checkpoint,
     check_logger,
     check_optim,
     check_tensor_parallel,
     resolve_mesh,
     resolve_trainer,
 )
-from automodel.config.validate_pipeline import check_pipeline, check_pipeline_model
+from automodel.config.validate_pipeline import (
+    check_pipeline,
+    check_pipeline_model,
+    check_pipeline_with_tp,
+)
 from automodel.launch.env import LaunchEnv, detect_launch_env
 
 log = logging.getLogger(__name__)
@@ -91,6 +95,31 @@ def _schema_of(node, table: Mapping, path: str):
     return cls
 
 
+def _user_model_config_keys(overrides: list) -> set:
+    """Keys of model.config set on the command line (``model.config.X=``, ``+``, ``++``)."""
+    keys = set()
+    for o in overrides:
+        key = o.split("=", 1)[0].lstrip("+~")
+        if key.startswith("model.config."):
+            keys.add(key[len("model.config."):].split(".")[0])
+    return keys
+
+
+def _pretrained_keeps_its_config(model: s.ModelConfig, overrides: list) -> s.ModelConfig:
+    """With ``model.pretrained_path`` the checkpoint's own config.json describes the model: a
+    preset's ``model.config`` (e.g. llama_tiny's sizes) is not applied to it, only keys the
+    user set on the command line."""
+    if model.pretrained_path is None:
+        return model
+    user = _user_model_config_keys(overrides)
+    dropped = sorted(k for k in model.config if k not in user)
+    if dropped:
+        log.info("model.pretrained_path=%s: loading it with its own config; the %s preset's "
+                 "model.config keys (%s) are not applied (set model.config.KEY=... to override "
+                 "one)", model.pretrained_path, model.name, ", ".join(dropped))
+    return dataclasses.replace(model, config={k: v for k, v in model.config.items() if k in user})
+
+
 def resolve(cfg, env: Optional[Mapping[str, str]] = None, output_dir: str = ".",
             choices: Optional[dict] = None, overrides: Optional[list] = None,
             sweep_dir: Optional[str] = None) -> TrainConfig:
@@ -99,7 +128,8 @@ def resolve(cfg, env: Optional[Mapping[str, str]] = None, output_dir: str = ".",
     from omegaconf.errors import MissingMandatoryValue
 
     env = os.environ if env is None else env
-    expected = {"mesh", "distributed", "trainer", "parallelism", "pipeline", "model", "data", "optim",
+    expected = {"mesh", "distributed", "trainer", "parallelism", "pipeline", "model", "data",
+                "optim",
                 "logger", "checkpoint"}
     extra = sorted(set(cfg.keys()) - expected - {"hydra"})
     if extra:
@@ -109,7 +139,8 @@ def resolve(cfg, env: Optional[Mapping[str, str]] = None, output_dir: str = ".",
                  if OmegaConf.is_config(cfg[key]) else cfg[key]
                  for key in cfg.keys() if key != "hydra"}
     except MissingMandatoryValue as err:
-        raise ConfigError(f"'{err.full_key}' must be set (it is '???' in the chosen config)") from None
+        raise ConfigError(f"'{err.full_key}' must be set "
+                          "(it is '???' in the chosen config)") from None
 
     par_cls = _schema_of(cfg.parallelism, STRATEGIES, "parallelism")
     strategy = STRATEGIES[par_cls]
@@ -117,7 +148,8 @@ def resolve(cfg, env: Optional[Mapping[str, str]] = None, output_dir: str = ".",
     pipeline_chosen = OmegaConf.get_type(cfg.pipeline) is s.PipelineConfig
     if not pipeline_chosen and plain.get("pipeline"):
         raise ConfigError(f"pipeline.{next(iter(plain['pipeline']))} is set but no pipeline "
-                          "schedule is chosen: add pipeline=1f1b (or another file of conf/pipeline/)")
+                          "schedule is chosen: add pipeline=1f1b "
+                          "(or another file of conf/pipeline/)")
     pipeline = build(s.PipelineConfig, plain["pipeline"], "pipeline") if pipeline_chosen else None
     data_cls = _schema_of(cfg.data, DATA_SOURCES, "data")
 
@@ -134,11 +166,13 @@ def resolve(cfg, env: Optional[Mapping[str, str]] = None, output_dir: str = ".",
         offload_policy = resolve_policy("parallelism.offload_policy", par.offload_policy)
     if pipeline is not None:
         check_pipeline(pipeline, mesh, trainer, par)
-    model = build(s.ModelConfig, plain["model"], "model")
+    model = _pretrained_keeps_its_config(build(s.ModelConfig, plain["model"], "model"),
+                                         overrides or [])
     check_dtype("model.dtype", model.dtype, allow_none=False)
     if strategy in ("fsdp2", "megatron_fsdp"):
         check_tensor_parallel(par, mesh, model, trainer)
     if pipeline is not None:
+        check_pipeline_with_tp(par, mesh)
         check_pipeline_model(pipeline, mesh, model, trainer)
     data = build(data_cls, plain["data"], "data")
     check_data(DATA_SOURCES[data_cls], data, model)
@@ -156,7 +190,8 @@ def resolve(cfg, env: Optional[Mapping[str, str]] = None, output_dir: str = ".",
         activation_checkpointing_scope=ac_scope, mp_policy=mp_policy,
         offload_policy=offload_policy, mesh=mesh, pipeline=pipeline, distributed=distributed,
         model=model, data_source=DATA_SOURCES[data_cls], data=data, optim=optim, trainer=trainer,
-        launch=launch, logger=logger, checkpoint=checkpoint, output_dir=output_dir, sweep_dir=sweep_dir,
+        launch=launch, logger=logger, checkpoint=checkpoint, output_dir=output_dir,
+        sweep_dir=sweep_dir,
         choices=dict(choices or {}),
         overrides=list(overrides or []), resolved=plain)
 

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 from typing import List
 
 from automodel.config import schema as s
 from automodel.config.build import ConfigError
 from automodel.launch.env import LaunchEnv
+from automodel.models.tp_styles import style_problem
 
 log = logging.getLogger(__name__)
 
@@ -24,10 +26,6 @@ AC_SCOPES = ("language", "vision", "audio", "multimodal")
 MULTI_RANK_STRATEGIES = ("ddp", "fsdp2", "megatron_fsdp")
 
 
-# Tensor-parallel style names a plan may use (Hugging Face's names).
-TP_STYLE_NAMES = ("colwise", "rowwise", "colwise_rep", "rowwise_rep", "embedding_rowwise",
-                  "colwise_gather_output", "sequence_parallel", "replicated_with_grad_allreduce")
-_VOCAB_STYLES = ("embedding_rowwise", "colwise_gather_output", "colwise_rep", "colwise")
 MEGATRON_ZERO_STRATEGIES = {0: "no_shard", 1: "optim", 2: "optim_grads", 3: "optim_grads_params"}
 
 
@@ -68,7 +66,8 @@ def resolve_mesh(strategy: str, m: s.MeshConfig, launch: LaunchEnv, d: s.Distrib
     replicate = m.dp_replicate_size or 1
     non_dp = m.tp_size * m.cp_size * pp
     world = launch.world_size
-    if world is not None and d.nproc_per_node is not None and d.nproc_per_node != launch.local_world_size:
+    if (world is not None and d.nproc_per_node is not None
+            and d.nproc_per_node != launch.local_world_size):
         log.warning("distributed.nproc_per_node=%s ignored: %s started %s processes on this node",
                     d.nproc_per_node, launch.kind, launch.local_world_size)
     if world is None:
@@ -167,6 +166,11 @@ def check_ac_and_strategy(strategy: str, par, mesh: s.MeshConfig):
                               "true, 'full', 'selective'")
         scope = _check_ac_scope(par.activation_checkpointing_scope)
     check_dtype("parallelism.autocast_dtype", getattr(par, "autocast_dtype", None))
+    cap = getattr(par, "bucket_cap_mb", None)
+    if strategy == "ddp" and cap is not None and not 0 < cap < math.inf:  # (NaN fails too)
+        raise ConfigError(f"parallelism.bucket_cap_mb={cap}: the DDP gradient "
+                          "bucket size in MiB must be a finite number > 0, or null (PyTorch's "
+                          "default, 25)")
     if strategy == "fsdp2":
         if par.enable_async_tensor_parallel and not par.sequence_parallel:
             log.warning("parallelism.enable_async_tensor_parallel=true requires sequence "
@@ -269,9 +273,10 @@ def check_tensor_parallel(par, mesh: s.MeshConfig, model: s.ModelConfig,
                           "'package.module.NAME' (a dict, or a function returning one)")
     if isinstance(plan, dict):
         for pattern, style in plan.items():
-            if style not in TP_STYLE_NAMES:
-                raise ConfigError(f"parallelism.tp_plan: style {style!r} for pattern "
-                                  f"{pattern!r} is not known; allowed: {', '.join(TP_STYLE_NAMES)}")
+            problem = style_problem(style)
+            if problem is not None:
+                raise ConfigError(f"parallelism.tp_plan: pattern {pattern!r} uses style "
+                                  f"{style!r}, which {problem}")
     tp = mesh.tp_size
     if tp == 1:
         if getattr(par, "enable_async_tensor_parallel", False):
@@ -284,27 +289,18 @@ def check_tensor_parallel(par, mesh: s.MeshConfig, model: s.ModelConfig,
         log.warning("parallelism.enable_compile=true with mesh.tp_size=%d: setting "
                     "parallelism.sequence_parallel=true (compiled TP layers need it)", tp)
         par.sequence_parallel = True
-    numbers = model_numbers(model)
-    for key in ("num_attention_heads", "num_key_value_heads"):
-        value = numbers.get(key)
-        if isinstance(value, int) and value % tp:
-            raise ConfigError(f"mesh.tp_size={tp} must divide the model's {key}={value} "
-                              f"(model.config.{key}); choose a tp_size that divides it")
-    vocab = numbers.get("vocab_size")
-    shards_vocab = plan is None or isinstance(plan, str) or any(
-        style in _VOCAB_STYLES for style in plan.values())
-    if isinstance(vocab, int) and shards_vocab and vocab % tp and not isinstance(plan, str):
-        raise ConfigError(f"mesh.tp_size={tp} must divide the model's vocab_size={vocab} "
-                          "(the TP plan shards the embedding and LM head by vocabulary)")
+    # What the plan needs of the model's sizes (heads, vocabulary) is checked on the model's
+    # own structure before launch: automodel.launch.preflight.
     if getattr(par, "sequence_parallel", False) and trainer.seq_len % tp:
         raise ConfigError(f"trainer.seq_len={trainer.seq_len} must be divisible by "
                           f"mesh.tp_size={tp} with parallelism.sequence_parallel=true")
 
 
 def check_logger(logger: s.LoggerConfig) -> None:
-    if logger.wandb is not None and logger.wandb.mode not in ("online", "offline", "disabled"):
+    if logger.wandb is not None and logger.wandb.mode not in (None, "online", "offline",
+                                                              "disabled"):
         raise ConfigError(f"logger.wandb.mode={logger.wandb.mode!r}: allowed: online, offline, "
-                          "disabled")
+                          "disabled, or null (W&B's WANDB_MODE, else online)")
 
 
 def _check_checkpoint_files(key: str, path: str) -> None:

@@ -9,16 +9,21 @@ import os
 from automodel.config import schema as s
 from automodel.config.build import ConfigError
 from automodel.config.validate import _positive, check_dtype, model_numbers
-from automodel.distributed.pipelining.layout import SCHEDULE_SHAPES, canonical_schedule, count_stages
+from automodel.distributed.pipelining.layout import (
+    SCHEDULE_SHAPES,
+    canonical_schedule,
+    count_stages,
+)
 
 log = logging.getLogger(__name__)
 
 
 def check_pipeline_model(p: s.PipelineConfig, mesh: s.MeshConfig, model: s.ModelConfig,
-                         trainer: s.TrainerConfig) -> None:
-    """Stages against the model's layers and the micro-batches; what a split model cannot do."""
-    numbers = model_numbers(model)
-    layers = numbers.get("num_hidden_layers")
+                         trainer: s.TrainerConfig, layers: int | None = None) -> None:
+    """Stages against the model's layers and the micro-batches. ``layers``: the model's layer
+    count when known from the model itself (else read from its config)."""
+    if layers is None:
+        layers = model_numbers(model).get("num_hidden_layers")
     pp = mesh.pp_size
     if p.pp_schedule_csv is not None:
         from automodel.distributed.pipelining.csv_schedule import read_csv_layout
@@ -52,10 +57,6 @@ def check_pipeline_model(p: s.PipelineConfig, mesh: s.MeshConfig, model: s.Model
         raise ConfigError(f"pipeline.pp_schedule={p.pp_schedule} with mesh.pp_size={pp} needs "
                           f"{stages} stages but the model has model.config.num_hidden_layers="
                           f"{layers} (at least one layer per stage)")
-    if numbers.get("tie_word_embeddings"):
-        raise ConfigError("model.config.tie_word_embeddings=true with a pipeline: the embedding "
-                          "(first stage) and LM head (last stage) cannot share a weight yet; "
-                          "set it to false")
     per_rank = trainer.global_batch_size // mesh.dp_size
     m = (p.pp_batch_size or per_rank) // p.pp_microbatch_size
     if name == "1f1b" and m < pp:
@@ -134,3 +135,14 @@ def _check_csv(p: s.PipelineConfig, mesh: s.MeshConfig, n_microbatches: int) -> 
         raise ConfigError(f"pipeline.pp_schedule_csv={p.pp_schedule_csv!r} schedules "
                           f"{layout.num_microbatches} micro-batches but the pipeline batch makes "
                           f"{n_microbatches} (pipeline.pp_batch_size / pp_microbatch_size)")
+
+
+def check_pipeline_with_tp(par, mesh: s.MeshConfig) -> None:
+    """Sequence parallelism keeps the residual stream a sequence-sharded DTensor, which the
+    stage boundaries cannot send yet (also switched on by compile or async TP with TP)."""
+    if mesh.tp_size > 1 and getattr(par, "sequence_parallel", False):
+        raise ConfigError("a pipeline with mesh.tp_size>1 and parallelism.sequence_parallel=true "
+                          "(also implied by parallelism.enable_compile or "
+                          "enable_async_tensor_parallel with TP) is not supported yet: stages "
+                          "cannot pass sequence-sharded activations; set "
+                          "parallelism.sequence_parallel=false (and enable_compile=false)")

@@ -11,7 +11,8 @@ from torch.nn.parallel import DistributedDataParallel
 from automodel.config.schema import DDPConfig
 
 
-def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, opts: DDPConfig, device) -> DistributedDataParallel:
+def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, opts: DDPConfig,
+              device) -> DistributedDataParallel:
     kwargs = dict(
         process_group=dp_mesh.get_group(),
         device_ids=[device.index] if device.type == "cuda" else None,

@@ -30,7 +30,8 @@ def build_policy(spec: PolicySpec | None, device: torch.device):
     for key, value in spec.kwargs.items():
         kind = POLICY_FIELDS[spec.name][key]
         kwargs[key] = getattr(torch, value) if (kind == "dtype" and value is not None) else value
-    if spec.name == "CPUOffloadPolicy" and device.type == "cpu" and not torch.accelerator.is_available():
+    if (spec.name == "CPUOffloadPolicy" and device.type == "cpu"
+            and not torch.accelerator.is_available()):
         if kwargs.get("pin_memory", True):
             log.info("offload_policy: pin_memory=False (pinned memory needs an accelerator)")
         kwargs["pin_memory"] = False
@@ -48,7 +49,8 @@ def reshard_after_forward_for(index: int, num_blocks: int, opts: FSDP2Config,
 
 
 def apply_fsdp2(model: nn.Module, block_fqns: list[str], mesh: DeviceMesh, opts: FSDP2Config,
-                mp_policy: MixedPrecisionPolicy, offload_policy, pp_enabled: bool = False) -> list[nn.Module]:
+                mp_policy: MixedPrecisionPolicy, offload_policy,
+                pp_enabled: bool = False) -> list[nn.Module]:
     """Shard every block, then the root. Returns the sharded blocks in forward order."""
     common = {"mesh": mesh, "mp_policy": mp_policy,
               "offload_policy": offload_policy or OffloadPolicy()}
@@ -58,7 +60,8 @@ def apply_fsdp2(model: nn.Module, block_fqns: list[str], mesh: DeviceMesh, opts:
         fully_shard(block, reshard_after_forward=reshard_after_forward_for(
             i, len(block_fqns), opts, pp_enabled), **common)
         blocks.append(block)
-    root_reshard = opts.reshard_after_forward if opts.reshard_after_forward is not None else (not pp_enabled)
+    root_reshard = (opts.reshard_after_forward if opts.reshard_after_forward is not None
+                    else (not pp_enabled))
     fully_shard(model, reshard_after_forward=root_reshard, **common)
     if opts.enable_fsdp2_prefetch:
         set_prefetch(blocks, opts.fsdp2_forward_prefetch_depth, opts.fsdp2_backward_prefetch_depth)

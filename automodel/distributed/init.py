@@ -18,6 +18,7 @@ class DistInfo:
     rank: int
     world_size: int
     local_rank: int
+    timeout: datetime.timedelta = datetime.timedelta(minutes=1)  # of every collective
 
     @property
     def is_main(self) -> bool:
@@ -34,7 +35,8 @@ def init_distributed(backend: str | None, timeout_minutes: int, need_group: bool
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device("cuda", local_rank) if (use_cuda and backend == "nccl") else torch.device("cpu")
+    device = (torch.device("cuda", local_rank) if (use_cuda and backend == "nccl")
+              else torch.device("cpu"))
     if device.type == "cuda":
         torch.cuda.set_device(device)
     timeout = datetime.timedelta(minutes=timeout_minutes)
@@ -45,7 +47,7 @@ def init_distributed(backend: str | None, timeout_minutes: int, need_group: bool
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                                     timeout=timeout, **extra)
-    return DistInfo(backend, device, rank, world, local_rank)
+    return DistInfo(backend, device, rank, world, local_rank, timeout)
 
 
 def destroy_distributed() -> None:

@@ -90,6 +90,7 @@ def build_mesh(device_type: str, backend: str, timeout_minutes: int, *, pp: int,
     mesh = init_device_mesh(device_type, tuple(sizes[a] for a in BASE_AXES),
                             mesh_dim_names=tuple(a.value for a in BASE_AXES),
                             backend_override={a.value: opts for a in BASE_AXES})
-    flattened = {name: mesh[tuple(a.value for a in parts)]._flatten(name.value, backend_override=opts)
+    flattened = {name: mesh[tuple(a.value for a in parts)]._flatten(name.value,
+                                                                    backend_override=opts)
                  for name, parts in FLATTENED.items()}
     return MeshContext(mesh, flattened)

@@ -11,12 +11,10 @@ sequence length, so the model's own mask and position logic see the true shape.
 from __future__ import annotations
 
 import logging
-import re
 
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -25,135 +23,145 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from automodel.config.validate import TP_STYLE_NAMES as STYLE_NAMES
+from automodel.distributed.tp_extra_styles import (
+    AllReduceOutput,
+    GatherSequenceOnEntry,
+    LocalParams,
+    MlaKvAProj,
+    ReplicatedWithGradAllReduce,
+)
+from automodel.models.tp_plans import matches
+from automodel.models.tp_styles import shards_vocab, style_problem
 
 log = logging.getLogger(__name__)
 
-_VOCAB_SHARDING = ("colwise", "colwise_rep", "colwise_gather_output", "embedding_rowwise",
-                   "rowwise", "rowwise_rep")
+# Output projections whose columns are attention heads: "colwise" on them splits heads.
+_HEAD_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value", "c_attn",
+                     "W_pack", "q_b_proj", "kv_b_proj", "query", "key", "value")
 
-
-class ReplicatedWithGradAllReduce(ParallelStyle):
-    """A module (e.g. Qwen3's per-head q/k norm) that runs on TP-local heads with weights
-    replicated over TP: the input is seen as sharded on the head dim (-2), so the weight's
-    gradient is summed over the TP ranks."""
-
-    def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
-        def replicate_params(name, mod, mesh):
-            for p_name, param in list(mod.named_parameters(recurse=False)):
-                mod.register_parameter(p_name, nn.Parameter(
-                    DTensor.from_local(param, mesh, [Replicate()], run_check=False)))
-
-        def to_dtensor(mod, inputs, mesh):
-            return tuple(DTensor.from_local(x, mesh, [Shard(x.dim() - 2)], run_check=False)
-                         if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x
-                         for x in inputs)
-
-        def to_local(mod, output, mesh):
-            return output.to_local() if isinstance(output, DTensor) else output
-
-        return distribute_module(module, mesh, replicate_params, to_dtensor, to_local)
-
-
-class GatherSequenceOnEntry(ParallelStyle):
-    """Sequence parallelism: all-gather the ``Shard(1)`` residual stream into a full local
-    tensor before an attention or MLP block (positional or ``hidden_states=`` argument)."""
-
-    def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
-        def gather(x):
-            if isinstance(x, DTensor):
-                return x.redistribute(placements=[Replicate()]).to_local()
-            return x
-
-        def hook(mod, args, kwargs):
-            if args:
-                args = (gather(args[0]),) + tuple(args[1:])
-            if "hidden_states" in kwargs:
-                kwargs = dict(kwargs, hidden_states=gather(kwargs["hidden_states"]))
-            return args, kwargs
-
-        module.register_forward_pre_hook(hook, with_kwargs=True)
-        return module
-
-
-def _style(name: str, module: nn.Module, sequence_parallel: bool) -> ParallelStyle | None:
+def _style(name: str, module: nn.Module, sequence_parallel: bool,
+           in_block: bool) -> ParallelStyle | None:
+    """The torch style for a style name on ``module``. ``in_block``: the module sits inside a
+    transformer block, where (with sequence parallelism) inputs arrive gathered and outputs
+    go back to the sequence-sharded residual stream."""
     sp = sequence_parallel
     embedding = isinstance(module, nn.Embedding)
-    if name == "colwise":
-        return ColwiseParallel()
-    if name == "rowwise":
-        if embedding:
-            return RowwiseParallel(input_layouts=Replicate(),
-                                   output_layouts=Shard(1) if sp else Replicate(),
-                                   use_local_output=not sp)
-        return RowwiseParallel(output_layouts=Shard(1), use_local_output=False) if sp \
-            else RowwiseParallel()
-    if name in ("colwise_rep", "colwise_gather_output"):
-        return ColwiseParallel(input_layouts=Shard(1) if sp else Replicate(),
-                               output_layouts=Replicate())
-    if name == "rowwise_rep":
-        return RowwiseParallel(input_layouts=Replicate())
-    if name == "embedding_rowwise":
+    seq_out = dict(output_layouts=Shard(1), use_local_output=False) if sp else {}
+    if name == "embedding_rowwise" or (embedding and name in ("rowwise", "rowwise_rep",
+                                                               "rowwise_split_input")):
         return RowwiseParallel(input_layouts=Replicate(),
                                output_layouts=Shard(1) if sp else Replicate(),
                                use_local_output=not sp)
+    if name == "embedding_colwise" or (embedding and name == "colwise_gather_output"):
+        return ColwiseParallel(input_layouts=Replicate(),
+                               output_layouts=Shard(1) if sp else Replicate(),
+                               use_local_output=not sp)
+    if name == "colwise":
+        return ColwiseParallel()
+    if name == "rowwise":
+        return RowwiseParallel(**seq_out)
+    if name in ("colwise_rep", "colwise_gather_output"):
+        # outside the blocks (the LM head) the input is the sequence-sharded norm output
+        return ColwiseParallel(input_layouts=Shard(1) if sp and not in_block else Replicate(),
+                               output_layouts=Replicate())
+    if name in ("rowwise_rep", "rowwise_split_input"):
+        return RowwiseParallel(input_layouts=Replicate(), **seq_out)
     if name == "sequence_parallel":
         return SequenceParallel() if sp else None  # without SP the norm stays replicated
     if name == "replicated_with_grad_allreduce":
         return ReplicatedWithGradAllReduce()
-    raise AssertionError(name)
+    if name == "all_reduce":
+        return AllReduceOutput()
+    if name == "mla_kv_a_proj":
+        return MlaKvAProj()
+    if name == "local_params":
+        return LocalParams()
+    if name == "replicate":
+        return None
+    raise AssertionError(f"style {name!r} passed the checks but has no translation")
 
 
-def _pattern_regex(pattern: str) -> re.Pattern:
-    return re.compile("\\.".join("[^.]+" if part == "*" else re.escape(part)
-                                 for part in pattern.split(".")) + "$")
+# Parameter-level plan entries (a bare parameter such as attention sinks): how it is split.
+_PARAM_PLACEMENTS = {"colwise": Shard(0), "rowwise": Shard(-1), "replicate": None}
+
+
+def _family(model: nn.Module) -> str:
+    return f"{type(model).__name__} (model_type {getattr(model.config, 'model_type', '?')!r})"
 
 
 def expand_plan(model: nn.Module, plan: dict, source: str,
                 allow_unmatched: bool = False) -> dict[str, str]:
-    """Concrete FQN -> style name. Unknown styles and patterns that match nothing are errors
-    (``allow_unmatched``: a pipeline stage holds only part of the model, checked whole before)."""
-    names = [n for n, _ in model.named_modules() if n]
-    prefix = getattr(model, "base_model_prefix", "")
+    """Concrete FQN (of a module, or of a bare parameter) -> style name. Unknown or refused
+    styles and patterns that match nothing are errors naming the model, the pattern and the
+    style (``allow_unmatched``: a pipeline stage holds only part of the model, checked whole
+    before)."""
+    modules = [n for n, _ in model.named_modules() if n]
     concrete: dict[str, str] = {}
     for pattern, style in plan.items():
-        if style not in STYLE_NAMES:
-            raise ValueError(f"{source}: style {style!r} for pattern {pattern!r} is not known; "
-                             f"allowed: {', '.join(STYLE_NAMES)}")
-        regex = _pattern_regex(pattern)
-        matched = [n for n in names if regex.match(n)]
-        if not matched and prefix:
-            regex = _pattern_regex(f"{prefix}.{pattern}")
-            matched = [n for n in names if regex.match(n)]
+        problem = style_problem(style)
+        if problem is not None:
+            raise ValueError(f"{source} of {_family(model)}: pattern {pattern!r} uses style "
+                             f"{style!r}, which {problem}")
+        matched = matches(model, pattern)
         if not matched and not allow_unmatched:
-            raise ValueError(f"{source}: pattern {pattern!r} matches no module of "
-                             f"{type(model).__name__} (e.g. {', '.join(names[:4])}, ...)")
+            raise ValueError(f"{source} of {_family(model)}: pattern {pattern!r} matches no "
+                             f"module (e.g. {', '.join(modules[:4])}, ...)")
         for n in matched:
+            if n not in modules and style not in _PARAM_PLACEMENTS:
+                raise ValueError(f"{source} of {_family(model)}: pattern {pattern!r} names a "
+                                 f"parameter, which style {style!r} cannot split (parameters "
+                                 f"take {', '.join(_PARAM_PLACEMENTS)})")
             concrete[n] = style
     return concrete
 
 
 def check_divisibility(model: nn.Module, concrete: dict[str, str], tp: int) -> None:
-    """Facts of the live model that TP needs (resolve.py checks the same from the config)."""
+    """What the plan needs of the model's sizes: heads split by TP, a vocabulary split."""
     cfg = model.config
-    heads, kv_heads = getattr(cfg, "num_attention_heads", None), getattr(cfg, "num_key_value_heads", None)
-    if heads and heads % tp:
-        raise ValueError(f"mesh.tp_size={tp} must divide the model's num_attention_heads={heads}")
-    if kv_heads and kv_heads % tp:
-        raise ValueError(f"mesh.tp_size={tp} must divide the model's num_key_value_heads={kv_heads}")
+    splits_heads = any(style == "colwise" and fqn.rsplit(".", 1)[-1] in _HEAD_PROJECTIONS
+                       for fqn, style in concrete.items())
+    if splits_heads:
+        for key in ("num_attention_heads", "num_key_value_heads"):
+            value = getattr(cfg, key, None)
+            if isinstance(value, int) and value % tp:
+                raise ValueError(f"mesh.tp_size={tp} must divide the model's {key}={value} "
+                                 f"(model.config.{key}): the TP plan splits attention heads; "
+                                 "choose a tp_size that divides it")
     vocab = getattr(cfg, "vocab_size", None)
-    vocab_modules = {model.get_input_embeddings(), model.get_output_embeddings()} - {None}
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
     for fqn, style in concrete.items():
-        if model.get_submodule(fqn) in vocab_modules and style in _VOCAB_SHARDING and vocab % tp:
-            raise ValueError(f"mesh.tp_size={tp} must divide the model's vocab_size={vocab} "
-                             f"(the plan shards {fqn!r} with {style!r})")
+        module = _module_or_none(model, fqn)
+        if module is None or module not in (embedding, head) or not isinstance(vocab, int):
+            continue
+        if shards_vocab(style, on_embedding=module is embedding) and vocab % tp:
+            raise ValueError(f"mesh.tp_size={tp} must divide the model's vocab_size={vocab}: "
+                             f"the TP plan splits {fqn!r} by vocabulary with {style!r}")
+
+
+def _module_or_none(model: nn.Module, fqn: str) -> nn.Module | None:
+    try:
+        return model.get_submodule(fqn)
+    except AttributeError:  # a parameter-level entry
+        return None
+
+
+def _split_parameter(model: nn.Module, fqn: str, style: str, tp_mesh: DeviceMesh) -> None:
+    placement = _PARAM_PLACEMENTS[style]
+    if placement is None:
+        return
+    owner_name, _, name = fqn.rpartition(".")
+    owner = model.get_submodule(owner_name)
+    param = getattr(owner, name)
+    owner.register_parameter(name, nn.Parameter(
+        distribute_tensor(param.data, tp_mesh, [placement]), requires_grad=param.requires_grad))
 
 
 def _sequence_parallel_extras(model: nn.Module, block_fqns: list[str],
                               concrete: dict[str, str]) -> dict[str, ParallelStyle]:
     """Norms on the residual stream run sequence-sharded; blocks gather on entry."""
     extras: dict[str, ParallelStyle] = {}
-    base = model.get_submodule(model.base_model_prefix) if getattr(model, "base_model_prefix", "") else model
+    base = (model.get_submodule(model.base_model_prefix)
+            if getattr(model, "base_model_prefix", "") else model)
     prefix = f"{model.base_model_prefix}." if getattr(model, "base_model_prefix", "") else ""
     parents = [(prefix.rstrip("."), base)] + [(f, model.get_submodule(f)) for f in block_fqns]
     for parent_name, parent in parents:
@@ -174,7 +182,14 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: dict, source: str,
     check_divisibility(model, concrete, tp_mesh.size())
     styles: dict[str, ParallelStyle] = {}
     for fqn, name in concrete.items():
-        style = _style(name, model.get_submodule(fqn), sequence_parallel)
+        module = _module_or_none(model, fqn)
+        if module is None:
+            _split_parameter(model, fqn, name, tp_mesh)
+            continue
+        if name == "mla_kv_a_proj":
+            module.rope_dim = model.config.qk_rope_head_dim
+        in_block = any(fqn.startswith(b + ".") for b in block_fqns)
+        style = _style(name, module, sequence_parallel, in_block)
         if style is not None:
             styles[fqn] = style
     if sequence_parallel:

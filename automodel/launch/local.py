@@ -24,7 +24,6 @@ from automodel.config.resolve import TrainConfig
 from automodel.launch.errors import LaunchError, TrainingStopped
 from automodel.launch.signals import STOP_SIGNALS
 
-
 log = logging.getLogger(__name__)
 
 

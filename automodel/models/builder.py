@@ -8,9 +8,28 @@ from torch import nn
 from automodel.config.schema import ModelConfig
 
 
+def hf_config(cfg: ModelConfig):
+    """The transformers config: ``model.config`` (for ``AutoConfig.for_model``), or the
+    checkpoint's own config.json with the keys of ``model.config`` over it."""
+    from transformers import AutoConfig
+
+    if cfg.pretrained_path is not None:
+        overrides = {k: v for k, v in cfg.config.items() if k != "model_type"}
+        return AutoConfig.from_pretrained(cfg.pretrained_path, **overrides)
+    return AutoConfig.for_model(**cfg.config)
+
+
+def build_meta_model(cfg: ModelConfig) -> nn.Module:
+    """The model's structure without weights (meta device): for checks before launch."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(hf_config(cfg), dtype=getattr(torch, cfg.dtype))
+
+
 def build_model(cfg: ModelConfig, seed: int) -> nn.Module:
     """Same ``seed`` -> same initial weights on every rank and every layout."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     dtype = getattr(torch, cfg.dtype)
     torch.manual_seed(seed)
@@ -18,8 +37,7 @@ def build_model(cfg: ModelConfig, seed: int) -> nn.Module:
         overrides = {k: v for k, v in cfg.config.items() if k != "model_type"}
         model = AutoModelForCausalLM.from_pretrained(cfg.pretrained_path, dtype=dtype, **overrides)
     else:
-        config = AutoConfig.for_model(**cfg.config)
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = AutoModelForCausalLM.from_config(hf_config(cfg), dtype=dtype)
     # A KV cache in training is wasted memory, and with activation checkpointing it gives
     # wrong losses or crashes: train without it.
     model.config.use_cache = False

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import re
 from typing import Any
 
 from torch import nn
@@ -41,7 +42,35 @@ def load_plan_from_path(path: str, model: nn.Module) -> dict:
     return obj
 
 
+def _pattern_regex(pattern: str) -> re.Pattern:
+    return re.compile("\\.".join("[^.]+" if part == "*" else re.escape(part)
+                                  for part in pattern.split(".")) + "$")
+
+
+def matches(model: nn.Module, pattern: str) -> list[str]:
+    """FQNs the pattern names: modules, else bare parameters; tried as given, then under the
+    base model's prefix."""
+    modules = [n for n, _ in model.named_modules() if n]
+    prefix = getattr(model, "base_model_prefix", "")
+    for candidate in [pattern] + ([f"{prefix}.{pattern}"] if prefix else []):
+        regex = _pattern_regex(candidate)
+        found = [n for n in modules if regex.match(n)] or [
+            n for n, _ in model.named_parameters() if regex.match(n)]
+        if found:
+            return found
+    return []
+
+
 def _hf_plan(model: nn.Module) -> dict | None:
+    """The model's own plan. A family's plan covers all its variants (e.g. MiniCPM3 with and
+    without a low-rank q projection): entries matching nothing in this model are dropped."""
+    full = _full_hf_plan(model)
+    if full is None:
+        return None
+    return {pattern: style for pattern, style in full.items() if matches(model, pattern)}
+
+
+def _full_hf_plan(model: nn.Module) -> dict | None:
     plan = getattr(model, "_tp_plan", None)
     if plan:
         return dict(plan)

@@ -15,9 +15,9 @@ from automodel.distributed.pipelining.buffer_pool import (
 )
 from automodel.distributed.pipelining.layout import canonical_schedule
 from automodel.distributed.pipelining.stages import PipelineLoss, build_schedule, load_loss_fn
+from automodel.distributed.pipelining.tied import TiedEmbeddingSync
 from automodel.distributed.setup import DistributedSetup
 from automodel.recipes.step import count_global_tokens, grad_norm_and_clip
-
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +33,9 @@ class PipelineStep:
         self.has_first = 0 in parallel.stage_ids
         self.has_last = parallel.num_stages - 1 in parallel.stage_ids
         self.pp_group = setup.mesh[MeshAxis.PP].get_group()
+        self.tied = (TiedEmbeddingSync(self.parts, parallel.stage_ids, parallel.num_stages,
+                                       setup.mesh, setup.dist.timeout)
+                     if parallel.tied_embeddings else None)
         self.loss = PipelineLoss(load_loss_fn(p.loss_fn))
         shapes = (p.pp_seq_len, self._activation_dtype()) if p.pp_seq_len else None
         if setup.autocast_dtype is not None:
@@ -98,8 +101,13 @@ class PipelineStep:
             self.schedule.step(*args, target=target,
                                losses=chunk_losses if self.has_last else None)
             losses.extend(chunk_losses)
+        not_in_norm = frozenset()
+        if self.tied is not None:
+            self.tied.sync_grads()
+            not_in_norm = frozenset(self.tied.not_in_norm)
         params = [p for part in self.parts for p in part.parameters()]
-        grad_norm = grad_norm_and_clip(params, max_grad_norm, across_group=self.pp_group)
+        grad_norm = grad_norm_and_clip(params, max_grad_norm, across_group=self.pp_group,
+                                       not_in_norm=not_in_norm)
         loss_sum = torch.zeros(1, dtype=torch.float64, device=setup.device)
         if losses:
             loss_sum += torch.stack([x.detach() for x in losses]).sum().to(torch.float64) \

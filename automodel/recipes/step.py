@@ -9,6 +9,7 @@ gradients over the data-parallel ranks.
 from __future__ import annotations
 
 import contextlib
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -50,21 +51,27 @@ def _ddp_hint(err: RuntimeError) -> RuntimeError:
     return err
 
 
-def grad_norm_and_clip(parameters, max_grad_norm, across_group=None) -> float:
+def grad_norm_and_clip(parameters, max_grad_norm, across_group=None,
+                       not_in_norm: frozenset = frozenset()) -> float:
     """Global L2 norm of all gradients, then clip to ``max_grad_norm`` (null: no clipping).
 
     Gradients may be plain tensors and DTensors on different meshes (FSDP2 shards, TP shards,
     both): norms are taken per group of like gradients, each made global, then combined.
     ``across_group`` sums the squares over ranks holding different parameters (pipeline).
+    ``not_in_norm``: ids of parameters clipped but not counted (a second copy of a weight
+    whose gradient another copy counts).
     """
     groups: dict = {}
+    counted: dict = {}
     for p in parameters:
         if p.grad is not None:
             g = p.grad
             key = (g.device_mesh, g.placements) if isinstance(g, DTensor) else None
             groups.setdefault(key, []).append(g)
+            if id(p) not in not_in_norm:
+                counted.setdefault(key, []).append(g)
     partial_norms = []
-    for grads in groups.values():
+    for grads in counted.values():
         norms = torch._foreach_norm(grads, 2.0)
         group_norm = torch.linalg.vector_norm(torch.stack(norms), 2.0)
         if isinstance(group_norm, DTensor):

@@ -45,7 +45,8 @@ def _setup_logging(output_dir: str, info: DistInfo) -> list[logging.Handler]:
         if not any(getattr(h, "baseFilename", None) == log_file for h in root.handlers):
             os.makedirs(output_dir, exist_ok=True)
             fh = logging.FileHandler(log_file)
-            fh.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
+            fh.setFormatter(logging.Formatter(
+                "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
             added.append(fh)
         if not any(type(h) is logging.StreamHandler for h in root.handlers):
             added.append(logging.StreamHandler())

@@ -1,13 +1,14 @@
 """The command line as a user types it, in subprocesses."""
 
 import json
-import re
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = str(ROOT / "train.py")
@@ -34,10 +35,17 @@ def metrics_files(root: Path):
     return sorted(root.rglob("metrics.jsonl"))
 
 
-def losses(path: Path):
-    return [json.loads(line)["loss"] for line in path.read_text().splitlines()]
+def losses(path: Path, key="loss"):
+    values = [json.loads(line)[key] for line in path.read_text().splitlines()]
+    assert values, f"{path} holds no records"
+    return values
 
 
+def grad_norms(path: Path):
+    return losses(path, "grad_norm")
+
+
+@pytest.mark.fast
 def test_cfg_job_prints_the_composed_config_without_torch(tmp_path):
     out = run(["--cfg", "job", "parallelism=fsdp2", "pipeline=interleaved"], tmp_path,
               no_torch_env(tmp_path))
@@ -47,6 +55,7 @@ def test_cfg_job_prints_the_composed_config_without_torch(tmp_path):
     assert not (tmp_path / "outputs").exists() or not metrics_files(tmp_path)
 
 
+@pytest.mark.fast
 def test_typo_fails_before_torch_with_a_suggestion(tmp_path):
     out = run(["parallelism=ddp", "parallelism.bucket_cap=25"], tmp_path, no_torch_env(tmp_path))
     assert out.returncode == 2
@@ -55,6 +64,7 @@ def test_typo_fails_before_torch_with_a_suggestion(tmp_path):
     assert "find_unused_parameters" in out.stderr  # what is allowed
 
 
+@pytest.mark.fast
 def test_bad_value_type_fails_at_compose(tmp_path):
     out = run(["parallelism=ddp", "parallelism.bucket_cap_mb=lots"], tmp_path,
               no_torch_env(tmp_path))
@@ -62,12 +72,14 @@ def test_bad_value_type_fails_at_compose(tmp_path):
     assert "parallelism.bucket_cap_mb" in out.stderr and "'lots'" in out.stderr
 
 
+@pytest.mark.fast
 def test_unknown_group_option_lists_the_choices(tmp_path):
     out = run(["parallelism=fsdq"], tmp_path, no_torch_env(tmp_path))
     assert out.returncode != 0
     assert "Could not find 'parallelism/fsdq'" in out.stderr and "hsdp" in out.stderr
 
 
+@pytest.mark.fast
 def test_bad_size_product_fails_before_any_process(tmp_path):
     out = run(["parallelism=fsdp2", "mesh.dp_size=3", "distributed.nproc_per_node=2"], tmp_path,
               no_torch_env(tmp_path))
@@ -75,6 +87,7 @@ def test_bad_size_product_fails_before_any_process(tmp_path):
     assert "distributed.nproc_per_node=2" in out.stderr and "mesh.dp_size" in out.stderr
 
 
+@pytest.mark.fast
 def test_not_yet_available_layout_is_refused_early(tmp_path):
     out = run(["parallelism=fsdp2", "mesh.cp_size=2"], tmp_path, no_torch_env(tmp_path))
     assert out.returncode == 2 and "mesh.cp_size=2" in out.stderr
@@ -101,7 +114,10 @@ def test_local_launch_and_torchrun_agree_with_one_output_dir_each(tmp_path):
     [torchrun_metrics] = metrics_files(tmp_path / "torchrun")  # rank 1 wrote no directory
     assert len([p for p in (tmp_path / "torchrun" / "outputs").rglob("*") if p.is_dir()
                 and p.name != ".hydra" and p.parent.name != "outputs"]) == 1
+    assert len(losses(local_metrics)) == 3
     np.testing.assert_allclose(losses(torchrun_metrics), losses(local_metrics), rtol=1e-6)
+    np.testing.assert_allclose(grad_norms(torchrun_metrics), grad_norms(local_metrics),
+                               rtol=1e-5)
     assert (local_metrics.parent / ".hydra" / "config.yaml").exists()
     assert (local_metrics.parent / "train.log").read_text().count("step 3/3") == 1
 
@@ -124,7 +140,9 @@ def test_local_launcher_reruns_a_saved_run(tmp_path):
     again = run(["--rerun", str(metrics.parent), "--output-dir", str(tmp_path / "again")],
                 ROOT, cmd=[sys.executable, "-m", "launchers.local"])
     assert again.returncode == 0, again.stderr
+    assert len(losses(metrics)) == 3
     assert losses(tmp_path / "again" / "metrics.jsonl") == losses(metrics)
+    assert grad_norms(tmp_path / "again" / "metrics.jsonl") == grad_norms(metrics)
     bad = run(["parallelism=ddp", "mesh.cp_size=2"], ROOT, cmd=[sys.executable, "-m",
                                                               "launchers.local"])
     assert bad.returncode == 2 and "mesh.cp_size=2" in bad.stderr

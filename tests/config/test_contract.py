@@ -4,6 +4,9 @@ import pytest
 
 from automodel.api import compose
 
+# fast: no process, no process group (pytest -m fast)
+pytestmark = pytest.mark.fast
+
 MISSING = object()
 
 DDP = {"activation_checkpointing": False, "activation_checkpointing_scope": "all",

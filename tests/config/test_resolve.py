@@ -7,6 +7,9 @@ import pytest
 from automodel.api import load_config
 from automodel.config.build import ConfigError
 
+# fast: no process, no process group (pytest -m fast)
+pytestmark = pytest.mark.fast
+
 FP32 = ("parallelism.mp_policy={_target_:torch.distributed.fsdp.MixedPrecisionPolicy,"
         "param_dtype:float32,reduce_dtype:float32}")
 
@@ -139,12 +142,19 @@ def test_pipeline_batch_divisible_by_microbatch():
     assert "pipeline.pp_batch_size=6 must divide" in msg
 
 
+def test_pipeline_refuses_sequence_parallel_tp():
+    for extra in ("parallelism.sequence_parallel=true", "parallelism.enable_compile=true"):
+        msg = error("parallelism=fsdp2", "pipeline=1f1b", "mesh.tp_size=2", extra)
+        assert "parallelism.sequence_parallel=false" in msg
+    assert cfg("parallelism=fsdp2", "pipeline=1f1b", "mesh.tp_size=2").pipeline is not None
+
+
 def test_pipeline_stages_against_the_model():
     msg = error("parallelism=fsdp2", "pipeline=interleaved", "mesh.pp_size=4",
                 "distributed.nproc_per_node=4")
     assert "needs 8 stages" in msg and "num_hidden_layers=4" in msg
-    assert "tie_word_embeddings" in error("parallelism=fsdp2", "pipeline=1f1b",
-                                          "model.config.tie_word_embeddings=true")
+    # tied embeddings are fine: the first and last stages keep their copies equal
+    assert cfg("parallelism=fsdp2", "pipeline=1f1b", "model.config.tie_word_embeddings=true")
     assert "layers_per_stage=9" in error("parallelism=fsdp2", "pipeline=interleaved",
                                          "pipeline.layers_per_stage=9")
     assert "one stage per rank" in error("parallelism=fsdp2", "pipeline=1f1b",
@@ -213,6 +223,22 @@ def test_offload_policy_keys():
     msg = error("parallelism=fsdp2", "parallelism.offload_policy={_target_:torch.distributed."
                 "fsdp.CPUOffloadPolicy,pin:false}")
     assert "parallelism.offload_policy.pin" in msg and "pin_memory" in msg
+
+
+def test_ddp_bucket_cap_must_be_positive_or_null():
+    for value in ("-1", "0", "-0.5"):
+        msg = error("parallelism=ddp", f"parallelism.bucket_cap_mb={value}")
+        assert f"parallelism.bucket_cap_mb={float(value)}" in msg
+        assert "> 0" in msg and "null" in msg
+    assert cfg("parallelism=ddp", "parallelism.bucket_cap_mb=0.5").parallelism.bucket_cap_mb == 0.5
+    assert cfg("parallelism=ddp").parallelism.bucket_cap_mb is None
+
+
+def test_wandb_mode_may_be_left_to_the_environment():
+    assert cfg("logger=wandb").logger.wandb.mode is None
+    assert cfg("logger=wandb", "logger.wandb.mode=offline").logger.wandb.mode == "offline"
+    msg = error("logger=wandb", "logger.wandb.mode=offlne")
+    assert "logger.wandb.mode='offlne'" in msg and "offline" in msg and "null" in msg
 
 
 def test_megatron_zero_strategy():
@@ -303,14 +329,23 @@ def test_tp_numbers_come_from_the_model_config():
     assert c.world_size == 4
 
 
+def layout_error(*overrides) -> str:
+    """The checks on the model's own structure, run before launch (meta device)."""
+    from automodel.launch.preflight import check_model_layout
+
+    with pytest.raises(ConfigError) as info:
+        check_model_layout(cfg(*overrides))
+    return str(info.value)
+
+
 def test_tp_must_divide_heads_kv_heads_vocab_and_sp_seq_len():
-    msg = error("parallelism=fsdp2", "mesh.tp_size=4")
+    msg = layout_error("parallelism=fsdp2", "mesh.tp_size=4")
     assert "num_key_value_heads=2" in msg and "mesh.tp_size=4" in msg
-    msg = error("parallelism=fsdp2", "mesh.tp_size=3", "model.config.num_attention_heads=6",
-                "model.config.hidden_size=66", "model.config.num_key_value_heads=6")
+    msg = layout_error("parallelism=fsdp2", "mesh.tp_size=3", "model.config.num_attention_heads=6",
+                       "model.config.hidden_size=72", "model.config.num_key_value_heads=6")
     assert "vocab_size=256" in msg
-    msg = error("parallelism=fsdp2", "mesh.tp_size=2", "model.config.num_attention_heads=6",
-                "model.config.hidden_size=66", "model.config.num_key_value_heads=3")
+    msg = layout_error("parallelism=fsdp2", "mesh.tp_size=2", "model.config.num_attention_heads=6",
+                       "model.config.hidden_size=72", "model.config.num_key_value_heads=3")
     assert "num_key_value_heads=3" in msg
     msg = error("parallelism=fsdp2", "mesh.tp_size=2", "parallelism.sequence_parallel=true",
                 "trainer.seq_len=33")
@@ -319,10 +354,21 @@ def test_tp_must_divide_heads_kv_heads_vocab_and_sp_seq_len():
 
 def test_tp_numbers_from_a_pretrained_config_json(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "llama", "num_attention_heads": 6, '
-                                          '"num_key_value_heads": 6, "vocab_size": 256}')
-    msg = error("parallelism=fsdp2", "mesh.tp_size=4", "model=pretrained",
-                f"model.pretrained_path={tmp_path}")
+                                          '"num_key_value_heads": 6, "vocab_size": 256, '
+                                          '"hidden_size": 48, "num_hidden_layers": 2}')
+    msg = layout_error("parallelism=fsdp2", "mesh.tp_size=4", "model=pretrained",
+                       f"model.pretrained_path={tmp_path}")
     assert "num_attention_heads=6" in msg
+
+
+def test_pretrained_path_alone_loads_the_checkpoint_with_its_own_config(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "llama", "num_attention_heads": 2, '
+                                          '"num_key_value_heads": 2, "vocab_size": 300, '
+                                          '"hidden_size": 48, "num_hidden_layers": 2}')
+    c = cfg(f"model.pretrained_path={tmp_path}")  # the default model group (llama_tiny)
+    assert c.model.config == {}  # its preset's sizes are not applied to the checkpoint
+    c = cfg(f"model.pretrained_path={tmp_path}", "model.config.rms_norm_eps=1e-6")
+    assert c.model.config == {"rms_norm_eps": 1e-6}  # what the user sets still applies
 
 
 def test_tp_plan_values():

@@ -12,6 +12,7 @@ from automodel.data.sources import token_sequences
 from tests.helpers import TRAINER, train
 
 
+@pytest.mark.fast
 def test_corpus_is_deterministic_and_seeded():
     assert generate_documents(50, 3) == generate_documents(50, 3)
     assert generate_documents(50, 3) != generate_documents(50, 4)
@@ -19,12 +20,14 @@ def test_corpus_is_deterministic_and_seeded():
     assert seqs.shape[1] == 33 and seqs.max() < 128  # ASCII bytes
 
 
+@pytest.mark.fast
 def test_synthetic_respects_vocab_and_seed():
     a = token_sequences("synthetic", SyntheticDataConfig(num_sequences=10, vocab_size=7), 8, 256)
     b = token_sequences("synthetic", SyntheticDataConfig(num_sequences=10, vocab_size=7), 8, 256)
     assert torch.equal(a, b) and a.shape == (10, 9) and a.max() < 7
 
 
+@pytest.mark.fast
 def test_batch_plan_is_layout_independent():
     seqs = torch.arange(40 * 5).view(40, 5)
     plan = BatchPlan(seqs, global_batch_size=8, seed=0)
@@ -37,6 +40,7 @@ def test_batch_plan_is_layout_independent():
     assert not torch.equal(plan.global_batch(0), plan.global_batch(5))  # reshuffled per epoch
 
 
+@pytest.mark.fast
 def test_files_txt_and_jsonl_byte_level(tmp_path):
     (tmp_path / "a.txt").write_text("first doc\n\nsecond doc\n")
     (tmp_path / "b.jsonl").write_text(json.dumps({"text": "third"}) + "\n")
@@ -76,6 +80,7 @@ def test_local_files_with_a_local_tokenizer_train(tmp_path):
     assert records[-1]["loss"] < records[0]["loss"] - 0.5
 
 
+@pytest.mark.fast
 def test_tokenizer_larger_than_the_model_vocab_is_a_clear_error(tmp_path):
     _save_word_tokenizer(tmp_path / "tok", generate_documents(300, 1))
     (tmp_path / "d.txt").write_text("\n\n".join(generate_documents(50, 2)))

@@ -114,7 +114,9 @@ def test_nonfinite_step_is_skipped_with_skip(good, monkeypatch, tmp_path):
     assert records[2]["skipped"] and records[2]["loss"] != records[2]["loss"]  # NaN
     assert all("skipped" not in r for r in records[:2] + records[3:])
     good_records = good[0]
+    assert [r["step"] for r in good_records[:2]] == [1, 2]
     assert [r["loss"] for r in records[:2]] == [r["loss"] for r in good_records[:2]]
+    assert [r["grad_norm"] for r in records[:2]] == [r["grad_norm"] for r in good_records[:2]]
     root = str(tmp_path / "checkpoints")
     after_2 = load_full_model_state(checkpoint_path(root, 2))
     after_3 = load_full_model_state(checkpoint_path(root, 3))
@@ -148,5 +150,7 @@ def test_save_killed_midway_leaves_previous_checkpoint_usable(good, monkeypatch,
     monkeypatch.delenv("AUTOMODEL_FAULTS")
     resumed = train(DDP + RUN + ["checkpoint.resume=auto"], tmp_path)
     assert [r["step"] for r in resumed] == [3, 4, 5, 6]
+    assert [r["step"] for r in good[0][2:]] == [3, 4, 5, 6]
     assert [r["loss"] for r in resumed] == [r["loss"] for r in good[0][2:]]
+    assert [r["grad_norm"] for r in resumed] == [r["grad_norm"] for r in good[0][2:]]
     assert not any(n.startswith(".tmp-") for n in os.listdir(root))  # cleaned up

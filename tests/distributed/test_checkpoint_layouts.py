@@ -28,6 +28,7 @@ def fsdp2_run(tmp_path_factory):
 
 def assert_continues(resumed, full, rtol=1e-5):
     assert [r["step"] for r in resumed] == [4, 5, 6]
+    assert [r["step"] for r in full[3:]] == [4, 5, 6]
     np.testing.assert_allclose([r["loss"] for r in resumed], [r["loss"] for r in full[3:]],
                                rtol=rtol)
     np.testing.assert_allclose([r["grad_norm"] for r in resumed],
@@ -57,6 +58,7 @@ def test_pipeline_resume_is_exact_and_loads_single_process(schedule, tmp_path):
     again = train(layout + RUN + ["checkpoint.resume=auto"], tmp_path / "split")
     assert [r["step"] for r in again] == [4, 5, 6]
     assert [r["loss"] for r in again] == [r["loss"] for r in full[3:]]
+    assert [r["grad_norm"] for r in again] == [r["grad_norm"] for r in full[3:]]
     # the pipeline's checkpoint (stages on different ranks) loads into one process
     ckpt = checkpoint_path(str(tmp_path / "full" / "checkpoints"), 3)
     single = train(["parallelism=none"] + RUN + [f"checkpoint.resume={ckpt}"], tmp_path / "one")

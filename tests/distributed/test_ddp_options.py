@@ -43,7 +43,8 @@ def _train_branchy(rank, world, find_unused):
     mesh = _mesh(world)
     opts = DDPConfig(find_unused_parameters=find_unused)
     model = apply_ddp(BranchyLM(), mesh[MeshAxis.DP], opts, torch.device("cpu"))
-    setup = DistributedSetup("ddp", opts, DistInfo("gloo", torch.device("cpu"), rank, world, rank), mesh)
+    setup = DistributedSetup("ddp", opts,
+                             DistInfo("gloo", torch.device("cpu"), rank, world, rank), mesh)
     optim = torch.optim.SGD(model.parameters(), lr=0.1)
     batch = [(torch.randint(0, 16, (2, 5)), torch.randint(0, 16, (2, 5)))]
     try:

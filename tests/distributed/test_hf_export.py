@@ -1,9 +1,9 @@
 """Export to Hugging Face format from any layout: safetensors that from_pretrained and
 model.pretrained_path load, holding exactly the trained weights.
 
-Proof of "exactly": a run's step-4 loss is computed with the step-3 weights on global batch
-3. The model exported at step 3, loaded by plain ``from_pretrained`` and evaluated on that
-batch in plain PyTorch, must give the same loss.
+Proof of "exactly": a run's step-4 loss and gradient norm are computed with the step-3
+weights on global batch 3. The model exported at step 3, loaded by plain ``from_pretrained``
+and evaluated on that batch in plain PyTorch, must give the same loss and gradient norm.
 """
 
 import os
@@ -27,7 +27,7 @@ RUN = ["trainer.max_steps=4", "checkpoint.every_steps=3", "checkpoint.export_hf=
 PP = ["parallelism=fsdp2", FP32, "pipeline.pp_microbatch_size=2"]
 
 
-def _loss_of(model_dir, step, overrides, tmp_path):
+def _loss_and_grad_norm_of(model_dir, step, overrides, tmp_path):
     cfg = load_config(BASE + overrides, str(tmp_path))
     t = cfg.trainer
     plan = BatchPlan(token_sequences(cfg.data_source, cfg.data, t.seq_len, 256),
@@ -35,9 +35,12 @@ def _loss_of(model_dir, step, overrides, tmp_path):
     batch = plan.global_batch(step)
     model, info = AutoModelForCausalLM.from_pretrained(model_dir, output_loading_info=True)
     assert not any(info.values()), info  # no missing, unexpected or mismatched keys
-    with torch.no_grad():
-        logits = model(input_ids=batch[:, :-1], use_cache=False).logits
-    return F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()).item()
+    logits = model(input_ids=batch[:, :-1], use_cache=False).logits
+    loss = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+    loss.backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert grads
+    return loss.item(), torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])).item()
 
 
 @pytest.mark.parametrize("name,layout", [
@@ -52,8 +55,10 @@ def test_export_holds_the_trained_weights(name, layout, tmp_path):
     hf = os.path.join(checkpoint_path(root, 3), "hf")
     assert os.path.isfile(os.path.join(hf, "model.safetensors"))
     assert os.path.isfile(os.path.join(hf, "config.json"))
-    np.testing.assert_allclose(_loss_of(hf, 3, layout + RUN, tmp_path / "cfg"),
-                               records[3]["loss"], rtol=1e-5)
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    loss, grad_norm = _loss_and_grad_norm_of(hf, 3, layout + RUN, tmp_path / "cfg")
+    np.testing.assert_allclose(loss, records[3]["loss"], rtol=1e-5)
+    np.testing.assert_allclose(grad_norm, records[3]["grad_norm"], rtol=1e-4)
     # the final step is saved (and exported) too
     assert os.path.isfile(os.path.join(checkpoint_path(root, 4), "hf", "model.safetensors"))
 
@@ -74,9 +79,10 @@ def test_export_command_and_pretrained_path(tmp_path):
     # continue training from the export as a pretrained model, single process
     records = train(["parallelism=none", "model=pretrained", f"model.pretrained_path={out}",
                      "trainer.max_steps=2"], tmp_path / "again")
-    np.testing.assert_allclose(records[0]["loss"],
-                               _loss_of(str(out), 0, ["trainer.max_steps=2"], tmp_path / "c"),
-                               rtol=1e-5)
+    assert [r["step"] for r in records] == [1, 2]
+    loss, grad_norm = _loss_and_grad_norm_of(str(out), 0, ["trainer.max_steps=2"], tmp_path / "c")
+    np.testing.assert_allclose(records[0]["loss"], loss, rtol=1e-5)
+    np.testing.assert_allclose(records[0]["grad_norm"], grad_norm, rtol=1e-4)
 
 
 def test_export_of_a_damaged_checkpoint_fails_clearly(tmp_path):

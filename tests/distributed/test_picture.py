@@ -12,6 +12,9 @@ from automodel.distributed.pipelining import picture
 from automodel.distributed.pipelining.picture import bubble_fraction, draw, schedule_timeline
 from automodel.distributed.pipelining.schedule import SCHEDULES
 
+# fast: no process group (the fixture below refuses one), seconds (pytest -m fast)
+pytestmark = pytest.mark.fast
+
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 

@@ -2,7 +2,9 @@
 
 import pytest
 
-from tests.distributed.test_parity import assert_matches
+from automodel.distributed.pipelining.layout import SCHEDULE_SHAPES, canonical_schedule
+from automodel.distributed.pipelining.schedule import SCHEDULES, schedule_spec
+from tests.distributed.test_parity import assert_close_to_fp32, assert_matches, assert_same_steps
 from tests.helpers import FP32, train, write_schedule_csv
 
 PP = ["parallelism=fsdp2", FP32, "pipeline.pp_microbatch_size=2"]  # 4 micro-batches
@@ -68,28 +70,22 @@ def test_custom_loss_fn_drives_the_gradients(reference, tmp_path):
     records = train(PP + ["pipeline=1f1b", "pipeline.loss_fn=tests.distributed.plans."
                           "summed_ce_times_two"], tmp_path)
     ref = reference()
+    assert_same_steps(records, ref)
     for r, q in zip(records, ref):
         assert abs(r["loss"] - 2 * q["loss"]) < 1e-4 * q["loss"]
         assert abs(r["grad_norm"] - 2 * q["grad_norm"]) < 1e-3 * q["grad_norm"]
 
 
 def test_pipeline_dtype_bfloat16_is_close_to_fp32(reference, tmp_path):
-    import numpy as np
-
+    # (grad-norm tolerances and their measured basis: test_parity.assert_close_to_fp32)
     records = train(PP + ["pipeline=1f1b", "pipeline.dtype=bfloat16", "pipeline.pp_seq_len=32",
                           "parallelism.mp_policy=null"], tmp_path)
-    losses, ref = np.array([r["loss"] for r in records]), np.array([r["loss"] for r in reference()])
-    np.testing.assert_allclose(losses, ref, rtol=3e-2)
-    assert not np.allclose(losses, ref, rtol=1e-5), "the stages must really compute in bf16"
+    assert_close_to_fp32(records, reference(), loss_rtol=3e-2, differ_rtol=1e-5)
 
 
 def test_pipeline_with_autocast_is_close_to_fp32(reference, tmp_path):
-    import numpy as np
-
     records = train(PP + ["pipeline=1f1b", "parallelism.autocast_dtype=bfloat16"], tmp_path)
-    losses, ref = np.array([r["loss"] for r in records]), np.array([r["loss"] for r in reference()])
-    np.testing.assert_allclose(losses, ref, rtol=2e-2)
-    assert not np.allclose(losses, ref, rtol=1e-6), "autocast must actually run in bf16"
+    assert_close_to_fp32(records, reference(), loss_rtol=2e-2)  # (autocast really ran in bf16)
 
 
 def test_recv_buffer_pool_gives_identical_losses_and_predicted_memory(tmp_path):
@@ -98,6 +94,7 @@ def test_recv_buffer_pool_gives_identical_losses_and_predicted_memory(tmp_path):
     base = PP + ["pipeline=1f1b", "pipeline.pp_microbatch_size=1"]
     plain = train(base, tmp_path / "plain")
     pooled = train(base + ["pipeline.pp_recv_buffer_pool=true"], tmp_path / "pooled")
+    assert_same_steps(pooled, plain)
     assert [r["loss"] for r in pooled] == [r["loss"] for r in plain]  # bit for bit
     assert [r["grad_norm"] for r in pooled] == [r["grad_norm"] for r in plain]
     ratio = pooled[-1]["pp_recv_buffer_bytes"] / plain[-1]["pp_recv_buffer_bytes"]
@@ -106,10 +103,68 @@ def test_recv_buffer_pool_gives_identical_losses_and_predicted_memory(tmp_path):
                                   "pipeline.pp_recv_buffer_pool_slack=0"], tmp_path / "slack0")
     assert smaller_slack[-1]["pp_recv_buffer_bytes"] / plain[-1]["pp_recv_buffer_bytes"] == \
         (2 + 1) / 16
+    assert_same_steps(smaller_slack, plain)
     assert [r["loss"] for r in smaller_slack] == [r["loss"] for r in plain]
+    assert [r["grad_norm"] for r in smaller_slack] == [r["grad_norm"] for r in plain]
 
 
 def test_recv_buffer_pool_is_ignored_with_a_warning_for_other_schedules(reference, tmp_path):
     records = train(PP + ["pipeline=interleaved", "pipeline.pp_recv_buffer_pool=true"], tmp_path)
     assert_matches(records, reference())
     assert "applies to the 1f1b schedule only" in (tmp_path / "train.log").read_text()
+
+
+# ----------------------------------------------------------------- names -> torch classes
+README_SCHEDULES = {  # README: "Schedules and the torch class each runs"
+    "1f1b": "Schedule1F1B",
+    "gpipe": "ScheduleGPipe",
+    "interleaved": "ScheduleInterleaved1F1B",
+    "looped_bfs": "ScheduleLoopedBFS",
+    "dfs": "ScheduleInterleaved1F1B",
+    "zero_bubble": "ScheduleInterleavedZeroBubble",
+    "v_schedule": "ScheduleZBVZeroBubble",
+    "DualPipeV": "ScheduleDualPipeV",
+}
+V_PLACED = {"v_schedule", "DualPipeV"}
+# the conf/pipeline/<name>.yaml files, and the pp_schedule each selects
+PIPELINE_FILES = {"1f1b": "1f1b", "gpipe": "gpipe", "interleaved": "interleaved_1f1b",
+                  "looped_bfs": "looped_bfs", "dfs": "dfs", "zero_bubble": "zero_bubble",
+                  "v_schedule": "v_schedule"}
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("name,torch_class", sorted(README_SCHEDULES.items()))
+def test_schedule_name_runs_the_readme_torch_class(name, torch_class):
+    from torch.distributed.pipelining import schedules
+
+    # the README's names are config-group names (interleaved) or pp_schedule values (DualPipeV)
+    key = PIPELINE_FILES.get(name, name)
+    spec = schedule_spec(key)
+    assert spec.cls is getattr(schedules, torch_class), (name, spec.cls)
+    assert spec.multi_stage == (name not in ("1f1b", "gpipe"))
+    assert spec.v_placement == (name in V_PLACED)
+    # torch's own class name (without "Schedule"), in any case, gives the same class
+    for alias in (torch_class[len("Schedule"):], torch_class[len("Schedule"):].upper()):
+        assert schedule_spec(alias).cls is spec.cls, alias
+
+
+@pytest.mark.fast
+def test_every_schedule_and_config_file_is_in_the_readme_table():
+    from tests.cli.test_cli import ROOT
+
+    assert {PIPELINE_FILES.get(n, n).lower() for n in README_SCHEDULES} == set(SCHEDULES)
+    assert set(SCHEDULES) == set(SCHEDULE_SHAPES)
+    files = {p.stem for p in (ROOT / "conf" / "pipeline").glob("*.yaml")}
+    assert files - {"none", "csv"} == set(PIPELINE_FILES)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("group,pp_schedule", sorted(PIPELINE_FILES.items()))
+def test_pipeline_config_file_selects_its_schedule(group, pp_schedule):
+    from automodel.api import compose
+
+    # composed as `python train.py pipeline=<group>` would (conf/pipeline/<group>.yaml)
+    assert compose(["parallelism=fsdp2", f"pipeline={group}"]).pipeline.pp_schedule == \
+        pp_schedule
+    assert canonical_schedule(pp_schedule) == pp_schedule
+    assert schedule_spec(pp_schedule).cls.__name__ == README_SCHEDULES[group]

@@ -4,10 +4,19 @@ import pytest
 import torch
 
 from automodel.config.schema import ModelConfig
-from automodel.distributed.pipelining.schedule import schedule_spec, stages_of_rank
 from automodel.distributed.pipelining.layout import count_stages, stage_layer_ranges
-from automodel.distributed.pipelining.split import StageContents, build_stage, contents_from_fqns
+from automodel.distributed.pipelining.schedule import schedule_spec, stages_of_rank
+from automodel.distributed.pipelining.split import (
+    StageContents,
+    StageLayers,
+    build_stage,
+    contents_from_fqns,
+)
+from automodel.models.anatomy import find_anatomy
 from automodel.models.builder import build_model
+
+# fast: no process, no process group (pytest -m fast)
+pytestmark = pytest.mark.fast
 
 
 def test_even_split_gives_the_remainder_to_the_first_stages():
@@ -45,16 +54,56 @@ def test_stages_keep_original_names_and_compose_to_the_model():
                               "intermediate_size": 64, "num_hidden_layers": 4,
                               "num_attention_heads": 2, "num_key_value_heads": 2})
     model = build_model(cfg, seed=0)
-    first = build_stage(model, StageContents([0, 1, 2], embed=True, head=False))
-    last = build_stage(model, StageContents([3], embed=False, head=True))
+    anatomy = find_anatomy(model)
+    first = build_stage(model, anatomy, StageContents([0, 1, 2], embed=True, head=False))
+    last = build_stage(model, anatomy, StageContents([3], embed=False, head=True))
     names = set(first.state_dict()) | set(last.state_dict())
     assert names == set(model.state_dict())  # every parameter on exactly one stage, same name
+    assert not set(first.state_dict()) & set(last.state_dict())
     assert "model.layers.3.mlp.up_proj.weight" in last.state_dict()
     ids = torch.randint(0, 64, (2, 8))
     hidden = first(ids)
     assert hidden._base is None  # a fresh tensor, never a view of the input
     expected = model(input_ids=ids, use_cache=False).logits
     torch.testing.assert_close(last(hidden), expected)
+
+
+FAMILY_SIZES = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+                "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2}
+
+
+@pytest.mark.parametrize("model_type,extra", [
+    ("gpt_neox", {}),  # embed_in / final_layer_norm, parallel residual
+    ("phi", {}),  # final_layernorm, embedding dropout in its pipeline plan
+    ("gemma", {"head_dim": 8}),  # tied, scaled embedding
+    ("gemma2", {"head_dim": 8, "sliding_window": 3}),  # layer types chosen by layer index
+    ("granite", {"embedding_multiplier": 3.0, "logits_scaling": 2.0}),  # multiplier in forward
+    ("gptj", {"rotary_dim": 4}),  # wte / h / ln_f
+    ("stablelm", {}),  # no base_model_pp_plan: found by search
+])
+def test_three_stages_compose_to_the_model_for_other_families(model_type, extra):
+    model = build_model(ModelConfig(config={"model_type": model_type, **FAMILY_SIZES, **extra}),
+                        seed=0)
+    anatomy = find_anatomy(model)
+    stages = [build_stage(model, anatomy, c) for c in (
+        StageContents([0], embed=True, head=False), StageContents([1, 2], False, False),
+        StageContents([3], embed=False, head=True))]
+    ids = torch.randint(0, 64, (2, 12))
+    x = ids
+    for stage in stages:
+        x = stage(x)
+    torch.testing.assert_close(x, model(input_ids=ids, use_cache=False).logits)
+    full = set(model.state_dict())
+    names = [set(s.state_dict()) for s in stages]
+    assert set().union(*names) == full
+    if model.config.tie_word_embeddings:  # the last stage holds the shared weight by its name
+        embed = f"{anatomy.base}.{anatomy.embed}.weight"
+        assert embed in names[0] and embed in names[2] and embed not in names[1]
+        last = stages[2]
+        assert last.get_output_embeddings().weight is last.get_input_embeddings().weight
+    else:
+        assert not names[0] & names[1] and not names[1] & names[2]
+    assert isinstance(getattr(getattr(stages[1], anatomy.base), anatomy.layers), StageLayers)
 
 
 def test_module_fqns_per_model_part():
@@ -64,16 +113,18 @@ def test_module_fqns_per_model_part():
     model = build_model(cfg, seed=0)
     parts = [["model.embed_tokens", "model.layers.0"], ["model.layers.1", "model.layers.2"],
              ["model.layers.3", "model.norm", "lm_head"]]
-    contents = contents_from_fqns(model, parts)
+    anatomy = find_anatomy(model)
+    contents = contents_from_fqns(model, anatomy, parts)
     assert [c.layers for c in contents] == [[0], [1, 2], [3]]
     assert [(c.embed, c.head) for c in contents] == [(True, False), (False, False), (False, True)]
     with pytest.raises(ValueError, match="'model.layers.9'"):
-        contents_from_fqns(model, [["model.embed_tokens", "model.layers.9"]])
+        contents_from_fqns(model, anatomy, [["model.embed_tokens", "model.layers.9"]])
     with pytest.raises(ValueError, match="every decoder layer exactly once"):
-        contents_from_fqns(model, [["model.embed_tokens", "model.layers.0"],
+        contents_from_fqns(model, anatomy, [["model.embed_tokens", "model.layers.0"],
                                    ["model.layers.2", "model.norm", "lm_head"]])
     with pytest.raises(ValueError, match="belong to the last part"):
-        contents_from_fqns(model, [["model.embed_tokens", "model.layers.0", "model.layers.1",
+        contents_from_fqns(model, anatomy, [["model.embed_tokens", "model.layers.0",
+                                    "model.layers.1",
                                     "lm_head"], ["model.layers.2", "model.layers.3"]])
 
 
@@ -82,8 +133,10 @@ def test_forward_patches_can_be_turned_off():
                               "intermediate_size": 64, "num_hidden_layers": 2,
                               "num_attention_heads": 2, "num_key_value_heads": 2})
     model = build_model(cfg, seed=0)
-    stage = build_stage(model, StageContents([0, 1], embed=True, head=True),
+    anatomy = find_anatomy(model)
+    stage = build_stage(model, anatomy, StageContents([0, 1], embed=True, head=True),
                         patch_inner=False, patch_causal_lm=False)
-    assert "forward" not in vars(stage) and "forward" not in vars(stage.model)  # the model's own
-    patched = build_stage(model, StageContents([0, 1], embed=True, head=True))
-    assert "forward" in vars(patched) and "forward" in vars(patched.model)
+    assert "forward" not in vars(stage)  # the model's own forward
+    assert not isinstance(stage.model.layers, StageLayers)
+    patched = build_stage(model, anatomy, StageContents([0, 1], embed=True, head=True))
+    assert "forward" in vars(patched) and isinstance(patched.model.layers, StageLayers)

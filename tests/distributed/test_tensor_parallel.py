@@ -15,7 +15,8 @@ MLP_PLAN = ("parallelism.tp_plan={model.layers.*.mlp.gate_proj:colwise,"
     ("tp2_hf_plan", TP2),
     ("tp2_sequence_parallel", TP2 + ["parallelism.sequence_parallel=true"]),
     ("tp2_yaml_plan", TP2 + [MLP_PLAN]),
-    ("tp2_plan_dict_by_import_path", TP2 + ["parallelism.tp_plan=tests.distributed.plans.MLP_ONLY"]),
+    ("tp2_plan_dict_by_import_path",
+     TP2 + ["parallelism.tp_plan=tests.distributed.plans.MLP_ONLY"]),
     ("tp2_plan_function_by_import_path",
      TP2 + ["parallelism.tp_plan=tests.distributed.plans.attention_only"]),
     ("tp2_async_on_cpu_trains_normally", TP2 + ["parallelism.enable_async_tensor_parallel=true"]),
@@ -57,6 +58,8 @@ def test_async_tp_on_cpu_says_it_does_not_overlap(tmp_path):
 
 # ----------------------------------------------------------------------------- technique level
 def _tied_after_parallelize(rank, world):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
     from automodel.config.schema import FSDP2Config, ModelConfig
     from automodel.distributed.fsdp2 import apply_fsdp2
     from automodel.distributed.mesh import MeshAxis, build_mesh
@@ -64,7 +67,6 @@ def _tied_after_parallelize(rank, world):
     from automodel.models.builder import build_model
     from automodel.models.parts import block_fqns
     from automodel.models.tp_plans import select_tp_plan
-    from torch.distributed.fsdp import MixedPrecisionPolicy
 
     mesh = build_mesh("cpu", "gloo", 1, pp=1, dp_replicate=1, dp_shard=2, cp=1, tp=2)
     cfg = ModelConfig(config={"model_type": "llama", "vocab_size": 64, "hidden_size": 32,

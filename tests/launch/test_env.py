@@ -1,6 +1,11 @@
 """Which launcher started a process, read from its environment."""
 
+import pytest
+
 from automodel.launch.env import detect_launch_env
+
+# fast: no process, no process group (pytest -m fast)
+pytestmark = pytest.mark.fast
 
 SRUN_TASK = {"SLURM_STEP_ID": "0", "SLURM_NTASKS": "2", "SLURM_STEP_NUM_TASKS": "2",
              "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_PROCID": "1", "SUBMITIT_EXECUTOR": "slurm"}

@@ -1,8 +1,14 @@
 """SLURM through submitit, on a real one-node cluster (``scripts/slurm_cluster.sh start``,
 which ``.ci/run`` runs before the tests). Each test uses its own submitit folder: job ids
-restart at 1 on a fresh cluster."""
+restart at 1 on a fresh cluster.
 
+Without a cluster these tests skip, except under CI (the ``CI`` environment variable set, as
+``.ci/run`` and most CI services do): there a missing cluster fails them, so a CI run whose
+cluster did not start cannot pass with its SLURM tests silently skipped."""
+
+import functools
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -15,6 +21,7 @@ import pytest
 from tests.cli.test_cli import QUICK, ROOT, metrics_files, run
 
 
+@functools.lru_cache(maxsize=None)
 def _cluster_answers() -> bool:
     if shutil.which("sinfo") is None:
         return False
@@ -26,14 +33,39 @@ def _cluster_answers() -> bool:
     return out.returncode == 0 and any(s in out.stdout for s in ("idle", "mix", "alloc"))
 
 
-pytestmark = pytest.mark.skipif(not _cluster_answers(), reason="no SLURM cluster answers "
-                                "(sinfo); start one with: bash scripts/slurm_cluster.sh start")
+NO_CLUSTER = ("no SLURM cluster answers (sinfo); start one with: "
+              "bash scripts/slurm_cluster.sh start")
+
+
+def require_cluster():
+    """Skip without a cluster; under CI fail instead, saying the cluster did not start."""
+    if _cluster_answers():
+        return
+    if os.environ.get("CI", "").lower() not in ("", "0", "false", "no"):
+        pytest.fail(f"the SLURM cluster did not start: no cluster answers sinfo, and "
+                    f"CI={os.environ['CI']} is set, so the SLURM tests fail instead of skipping "
+                    "(see the output of scripts/slurm_cluster.sh start in the CI log)",
+                    pytrace=False)
+    pytest.skip(NO_CLUSTER)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _slurm_cluster():
+    # module scope and autouse: checked before any other module fixture starts a run
+    require_cluster()
+
 
 LAUNCHER = [sys.executable, "-m", "launchers.slurm"]
 
 
-def losses(path):
-    return [json.loads(line)["loss"] for line in open(path)]
+def losses(path, key="loss"):
+    values = [json.loads(line)[key] for line in open(path)]
+    assert values, f"{path} holds no records"
+    return values
+
+
+def grad_norms(path):
+    return losses(path, "grad_norm")
 
 
 def test_single_rank_job_with_wait(tmp_path):
@@ -57,8 +89,11 @@ def test_two_task_fsdp2_sweep_matches_the_local_run(tmp_path):
         log = (tmp_path / "sweep" / job / "train.log").read_text()
         assert "on 2 rank(s) (dp=2" in log and log.count("step 3/3") == 1  # rank 0 only
     # job 1 is FSDP2 on 2 SLURM tasks: the same numbers as the local 2-rank FSDP2 run
+    assert len(losses(local_metrics)) == 3
     np.testing.assert_allclose(losses(tmp_path / "sweep" / "1" / "metrics.jsonl"),
                                losses(local_metrics), rtol=1e-6)
+    np.testing.assert_allclose(grad_norms(tmp_path / "sweep" / "1" / "metrics.jsonl"),
+                               grad_norms(local_metrics), rtol=1e-5)
     assert len(losses(tmp_path / "sweep" / "0" / "metrics.jsonl")) == 3
 
 

@@ -80,7 +80,9 @@ def test_signal_saves_exits_and_resume_matches(name, layout, sig, uninterrupted,
     records = [json.loads(line) for line in lines]
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))  # each step once
     full = uninterrupted(layout)
+    assert [r["step"] for r in full] == list(range(1, STEPS + 1))
     assert [r["loss"] for r in records] == [r["loss"] for r in full]
+    assert [r["grad_norm"] for r in records] == [r["grad_norm"] for r in full]
 
 
 def test_torchrun_sigterm_saves_and_resumes(uninterrupted, tmp_path):
@@ -100,7 +102,10 @@ def test_torchrun_sigterm_saves_and_resumes(uninterrupted, tmp_path):
     assert again.returncode == 0, again.stderr
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
-    assert [r["loss"] for r in records] == [r["loss"] for r in uninterrupted(layout)]
+    full = uninterrupted(layout)
+    assert [r["step"] for r in full] == list(range(1, STEPS + 1))
+    assert [r["loss"] for r in records] == [r["loss"] for r in full]
+    assert [r["grad_norm"] for r in records] == [r["grad_norm"] for r in full]
 
 
 def test_local_launcher_module_sigterm_saves_and_resumes(uninterrupted, tmp_path):
@@ -116,4 +121,7 @@ def test_local_launcher_module_sigterm_saves_and_resumes(uninterrupted, tmp_path
                            text=True, timeout=300, env=dict(os.environ, **env))
     assert again.returncode == 0, again.stderr
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["loss"] for r in records] == [r["loss"] for r in uninterrupted(layout)]
+    full = uninterrupted(layout)
+    assert [r["step"] for r in records] == [r["step"] for r in full] == list(range(1, STEPS + 1))
+    assert [r["loss"] for r in records] == [r["loss"] for r in full]
+    assert [r["grad_norm"] for r in records] == [r["grad_norm"] for r in full]

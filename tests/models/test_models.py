@@ -24,6 +24,7 @@ def _setup(**kwargs):
     return DistributedSetup("none", SingleProcessConfig(), info, None, **kwargs)
 
 
+@pytest.mark.fast
 def test_blocks_groups_and_cache_off():
     model = build_model(ModelConfig(config=CONFIG), seed=0)
     assert model.config.use_cache is False
@@ -36,6 +37,7 @@ def test_blocks_groups_and_cache_off():
     assert select_blocks(model, ["all"]) == block_fqns(model)
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("mode", ["full", "selective"])
 def test_parallelize_wraps_blocks_and_keeps_parameter_names(mode):
     model = build_model(ModelConfig(config=CONFIG), seed=0)
@@ -48,6 +50,7 @@ def test_parallelize_wraps_blocks_and_keeps_parameter_names(mode):
     torch.testing.assert_close(got, expected)
 
 
+@pytest.mark.fast
 def test_compile_keeps_state_dict_keys():
     model = build_model(ModelConfig(config=CONFIG), seed=0)
     names = list(model.state_dict())
@@ -56,6 +59,7 @@ def test_compile_keeps_state_dict_keys():
     assert not any("_orig_mod" in n for n in model.state_dict())
 
 
+@pytest.mark.fast
 def test_patch_is_packed_sequence():
     from transformers import modeling_flash_attention_utils as fa
 
@@ -72,7 +76,8 @@ def test_patch_is_packed_sequence():
 def test_pretrained_path_loads_the_saved_weights(tmp_path, reference):
     # Save the weights a from-config run starts from (trainer.seed), then train from disk.
     build_model(ModelConfig(config=CONFIG), seed=1234).save_pretrained(tmp_path / "ckpt")
-    records = train(["parallelism=ddp", "model=pretrained", f"model.pretrained_path={tmp_path}/ckpt"],
+    records = train(["parallelism=ddp", "model=pretrained",
+                     f"model.pretrained_path={tmp_path}/ckpt"],
                     tmp_path / "run")
     ref = reference()
     torch.testing.assert_close([r["loss"] for r in records], [r["loss"] for r in ref],

@@ -1,10 +1,19 @@
 """Split a Hugging Face causal LM into pipeline stages.
 
-Each stage is a pruned copy of the whole model: the decoder layers it does not own are
-dropped (the rest keep their original indices, so parameter names map 1:1 to the unsplit
-model's), the embedding lives on the first stage, the final norm and LM head on the last.
-The forwards of the inner model and of the causal-LM wrapper are patched to pass hidden
-states between stages.
+Each stage is a pruned copy of the whole model. Where the parts are comes from the model
+(``automodel.models.anatomy``: ``base_model_pp_plan`` or a search): the embedding lives on the
+first stage, the final norm and LM head on the last, and each stage keeps its decoder layers
+under their original indices, so parameter names map 1:1 to the unsplit model's. With tied
+input/output embeddings the last stage keeps the embedding module too (the same parameter as
+its LM head), so both stages hold the weight under the same name; ``tied.py`` keeps the two
+copies equal.
+
+A stage runs the model's own forward: the base model computes masks and positions as it
+always does and iterates over all its layers, where layers of other stages pass their input
+through. A stage that does not start the model feeds its received hidden states into its
+first layer (whatever the base model made of its placeholder input before that layer is
+dropped, so embedding scales and dropouts are applied once, on the first stage), and every
+stage but the last returns its last layer's output.
 """
 
 from __future__ import annotations
@@ -18,37 +27,121 @@ import torch
 from torch import nn
 
 from automodel.distributed.pipelining.layout import stage_layer_ranges
+from automodel.models.anatomy import Anatomy
 
 
-def _inner_forward(self, hidden_or_ids: torch.Tensor) -> torch.Tensor:
-    """Pipeline forward of the inner model: ids (first stage) or hidden states in, hidden out."""
-    from transformers.masking_utils import create_causal_mask
+# ----------------------------------------------------------------------------- the layer list
+class _PassThrough:
+    """A layer of another stage: returns its hidden-state input; answers the simple
+    attributes the original layer had (e.g. ``attention_type``), which a base model's loop
+    may read."""
 
-    if self.embed_tokens is not None:
-        hidden = self.embed_tokens(hidden_or_ids)
+    def __init__(self, attrs: dict):
+        self._attrs = attrs
+
+    def __call__(self, *args, **kwargs):
+        return args[0] if args else kwargs["hidden_states"]
+
+    def __getattr__(self, name):
+        try:
+            return self.__dict__["_attrs"][name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+class _OwnedCall:
+    """A layer of this stage as the base model's loop sees it: the first one may take the
+    stage's input, the last one records the stage's output."""
+
+    def __init__(self, stage_layers: "StageLayers", index: int):
+        self._stage_layers = stage_layers
+        self._index = index
+
+    def __call__(self, *args, **kwargs):
+        sl = self._stage_layers
+        layer = sl._modules[str(self._index)]
+        if self._index == sl.first and sl.stage_input is not None:
+            x, sl.stage_input = sl.stage_input, None
+            if args:
+                args = (x,) + tuple(args[1:])
+            else:
+                kwargs = dict(kwargs, hidden_states=x)
+        out = layer(*args, **kwargs)
+        if self._index == sl.last:
+            sl.stage_output = out
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self._stage_layers._modules[str(self._index)], name)
+
+
+def _simple_attrs(layer: nn.Module) -> dict:
+    return {k: v for k, v in vars(layer).items()
+            if not k.startswith("_") and isinstance(v, (str, int, float, bool, type(None)))}
+
+
+class StageLayers(nn.Module):
+    """This stage's decoder layers under their original indices, standing in for the whole
+    layer list (length and order of the unsplit model's)."""
+
+    def __init__(self, layers: nn.ModuleList, owned: list[int]):
+        super().__init__()
+        self.total = len(layers)
+        for i in owned:
+            self.add_module(str(i), layers[i])
+        self.first, self.last = owned[0], owned[-1]
+        self._others = {i: _PassThrough(_simple_attrs(layers[i]))
+                        for i in range(self.total) if i not in owned}
+        self.stage_input: torch.Tensor | None = None
+        self.stage_output: torch.Tensor | None = None
+
+    def _entry(self, i: int):
+        return self._others[i] if i in self._others else _OwnedCall(self, i)
+
+    def __len__(self) -> int:
+        return self.total
+
+    def __iter__(self):
+        return (self._entry(i) for i in range(self.total))
+
+    def __getitem__(self, idx):
+        if isinstance(idx, slice):
+            return [self._entry(i) for i in range(self.total)[idx]]
+        return self._entry(range(self.total)[idx])
+
+
+# ----------------------------------------------------------------------------- the forward
+@dataclass
+class StageRole:
+    anatomy: Anatomy
+    first: bool  # holds the embedding: takes token ids
+    last: bool  # holds the final norm and LM head: returns logits
+
+
+def _stage_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """Token ids (first stage) or hidden states in; hidden states or logits (last) out."""
+    role: StageRole = self._pipeline_role
+    base = getattr(self, role.anatomy.base)
+    layers = getattr(base, role.anatomy.layers)
+    kwargs = dict(position_ids=torch.arange(x.shape[1], device=x.device).unsqueeze(0),
+                  use_cache=False)
+    if role.first:
+        kwargs["input_ids"] = x
     else:
-        hidden = hidden_or_ids
-    positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-    mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=None,
-                              cache=None, position_ids=positions)
-    position_embeddings = self.rotary_emb(hidden, position_ids=positions)
-    for layer in self.layers.values():
-        hidden = layer(hidden, attention_mask=mask, position_embeddings=position_embeddings,
-                       position_ids=positions, use_cache=False)
-    if self.norm is not None:
-        hidden = self.norm(hidden)
-    return hidden
-
-
-def _causal_lm_forward(self, hidden_or_ids: torch.Tensor) -> torch.Tensor:
-    hidden = getattr(self, self.base_model_prefix)(hidden_or_ids)
-    if self.lm_head is not None:
-        return self.lm_head(hidden)
+        kwargs["inputs_embeds"] = x
+        if isinstance(layers, StageLayers):
+            layers.stage_input = x
+    if role.last:
+        return type(self).forward(self, **kwargs).logits
+    hidden = base(**kwargs)[0]
+    if isinstance(layers, StageLayers):
+        hidden, layers.stage_output = layers.stage_output, None
     # a stage must return a fresh tensor, never a view of its input (zero-bubble schedules
     # detach outputs in place)
-    return hidden if hidden._base is None and hidden is not hidden_or_ids else hidden.clone()
+    return hidden if hidden._base is None and hidden is not x else hidden.clone()
 
 
+# ----------------------------------------------------------------------------- contents
 @dataclass
 class StageContents:
     layers: list  # original decoder-layer indices, in order
@@ -61,14 +154,18 @@ def even_contents(num_layers: int, num_stages: int, layers_per_stage: int | None
     return [StageContents(list(r), i == 0, i == num_stages - 1) for i, r in enumerate(ranges)]
 
 
-def contents_from_fqns(model: nn.Module, fqns_per_part: list) -> list:
+def contents_from_fqns(model: nn.Module, anatomy: Anatomy, fqns_per_part: list) -> list:
     """``pipeline.module_fqns_per_model_part`` -> stage contents, checked against the model."""
-    prefix = model.base_model_prefix
-    inner = getattr(model, prefix)
-    num_layers = len(inner.layers)
-    head_fqn = next(n for n, m in model.named_modules() if m is model.get_output_embeddings())
-    embed, norm = f"{prefix}.embed_tokens", f"{prefix}.norm"
-    layer_fqn = re.compile(rf"^{re.escape(prefix)}\.layers\.(\d+)$")
+    base = getattr(model, anatomy.base)
+    num_layers = anatomy.num_layers
+    embed = anatomy.fqn(anatomy.embed)
+    norm = anatomy.fqn(anatomy.norm) if anatomy.norm else None
+    ends = {anatomy.head} | ({norm} if norm else set())
+    passive = {anatomy.fqn(n) for n, m in base.named_children()
+               if not any(True for _ in m.parameters())}
+    layer_fqn = re.compile(rf"^{re.escape(anatomy.fqn(anatomy.layers))}\.(\d+)$")
+    allowed = f"{embed}, {anatomy.fqn(anatomy.layers)}.<0..{num_layers - 1}>, " + ", ".join(
+        sorted(ends))
     contents, seen = [], []
     for i, fqns in enumerate(fqns_per_part):
         stage = StageContents([], False, False)
@@ -78,39 +175,52 @@ def contents_from_fqns(model: nn.Module, fqns_per_part: list) -> list:
                 stage.layers.append(int(m.group(1)))
             elif fqn == embed:
                 stage.embed = True
-            elif fqn in (norm, head_fqn):
+            elif fqn in ends:
                 stage.head = True
-            elif fqn != f"{prefix}.rotary_emb":
+            elif fqn not in passive:
                 raise ValueError(f"pipeline.module_fqns_per_model_part[{i}] names {fqn!r}, which "
                                  f"is not a part of {type(model).__name__} that can be placed "
-                                 f"(allowed: {embed}, {prefix}.layers.<0..{num_layers - 1}>, "
-                                 f"{norm}, {head_fqn})")
+                                 f"(allowed: {allowed})")
         seen += stage.layers
         contents.append(stage)
     if sorted(seen) != list(range(num_layers)) or seen != sorted(seen):
         raise ValueError("pipeline.module_fqns_per_model_part must place every decoder layer "
                          f"exactly once and in order; it places {seen}")
+    if any(not c.layers for c in contents):
+        raise ValueError("pipeline.module_fqns_per_model_part: every part needs at least one "
+                         "decoder layer")
     if not contents[0].embed or any(c.embed for c in contents[1:]):
         raise ValueError(f"pipeline.module_fqns_per_model_part: {embed} belongs to the first part")
     if not contents[-1].head or any(c.head for c in contents[:-1]):
-        raise ValueError(f"pipeline.module_fqns_per_model_part: {norm} and {head_fqn} belong to "
-                         "the last part")
+        raise ValueError(f"pipeline.module_fqns_per_model_part: {' and '.join(sorted(ends))} "
+                         "belong to the last part")
     return contents
 
 
-def build_stage(model: nn.Module, contents: StageContents, patch_inner: bool = True,
-                patch_causal_lm: bool = True) -> nn.Module:
+def ties_embeddings(model: nn.Module) -> bool:
+    """The input embedding and the LM head share one weight."""
+    inp, out = model.get_input_embeddings(), model.get_output_embeddings()
+    return inp is not None and out is not None and out.weight is inp.weight
+
+
+def build_stage(model: nn.Module, anatomy: Anatomy, contents: StageContents,
+                patch_inner: bool = True, patch_causal_lm: bool = True) -> nn.Module:
     """A pruned deep copy of ``model`` holding only ``contents``."""
+    tied = ties_embeddings(model)
     stage = copy.deepcopy(model)
-    inner = getattr(stage, stage.base_model_prefix)
-    inner.layers = nn.ModuleDict({str(i): inner.layers[i] for i in contents.layers})
-    if not contents.embed:
-        inner.embed_tokens = None
-    if not contents.head:
-        inner.norm = None
-        stage.lm_head = None
+    base = getattr(stage, anatomy.base)
+    layers = getattr(base, anatomy.layers)
     if patch_inner:
-        inner.forward = types.MethodType(_inner_forward, inner)
+        setattr(base, anatomy.layers, StageLayers(layers, contents.layers))
+    else:  # the model's own forward copes with a pruned list (original keys kept)
+        setattr(base, anatomy.layers, nn.ModuleDict({str(i): layers[i] for i in contents.layers}))
+    if not contents.embed and not (tied and contents.head):
+        setattr(base, anatomy.embed, None)  # later stages pass inputs_embeds
+    if not contents.head:
+        if anatomy.norm is not None:
+            setattr(base, anatomy.norm, nn.Identity())
+        setattr(stage, anatomy.head, None)
     if patch_causal_lm:
-        stage.forward = types.MethodType(_causal_lm_forward, stage)
+        stage._pipeline_role = StageRole(anatomy, contents.embed, contents.head)
+        stage.forward = types.MethodType(_stage_forward, stage)
     return stage

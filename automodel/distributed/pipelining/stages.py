@@ -10,16 +10,18 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
 from automodel.distributed.pipelining.csv_schedule import read_csv_layout
-from automodel.distributed.pipelining.schedule import schedule_spec, stages_of_rank
 from automodel.distributed.pipelining.layout import count_stages
+from automodel.distributed.pipelining.schedule import schedule_spec, stages_of_rank
 from automodel.distributed.pipelining.split import build_stage, contents_from_fqns, even_contents
+from automodel.models.anatomy import find_anatomy
 
 
 def split_model(model: nn.Module, pipeline, pp_rank: int, pp_size: int):
     """(stage modules of this rank, their stage indices, total stage count)."""
-    num_layers = len(getattr(model, model.base_model_prefix).layers)
+    anatomy = find_anatomy(model)
+    num_layers = anatomy.num_layers
     if pipeline.module_fqns_per_model_part is not None:
-        contents = contents_from_fqns(model, pipeline.module_fqns_per_model_part)
+        contents = contents_from_fqns(model, anatomy, pipeline.module_fqns_per_model_part)
         num_stages = len(contents)
     if pipeline.pp_schedule_csv is not None:  # the CSV says which stages each rank runs
         layout = read_csv_layout(pipeline.pp_schedule_csv)
@@ -37,7 +39,7 @@ def split_model(model: nn.Module, pipeline, pp_rank: int, pp_size: int):
         per_stage = pipeline.layers_per_stage
         exact = per_stage if per_stage and per_stage * num_stages == num_layers else None
         contents = even_contents(num_layers, num_stages, exact)
-    parts = [build_stage(model, contents[i], pipeline.patch_inner_model,
+    parts = [build_stage(model, anatomy, contents[i], pipeline.patch_inner_model,
                          pipeline.patch_causal_lm_model) for i in mine]
     if pipeline.dtype is not None:  # the pipeline computes (and communicates) in this dtype
         parts = [part.to(getattr(torch, pipeline.dtype)) for part in parts]

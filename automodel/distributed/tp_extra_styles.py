@@ -1,0 +1,154 @@
+"""Tensor-parallel styles torch does not ship, for style names of Hugging Face plans.
+
+Each is a small ``ParallelStyle``: the module keeps its parameter names, and only the
+forward's inputs, outputs or parameters are seen differently.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import ParallelStyle
+
+
+class ReplicatedWithGradAllReduce(ParallelStyle):
+    """A module (e.g. Qwen3's per-head q/k norm) that runs on TP-local heads with weights
+    replicated over TP: the input is seen as sharded on the head dim (-2), so the weight's
+    gradient is summed over the TP ranks."""
+
+    def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        def replicate_params(name, mod, mesh):
+            for p_name, param in list(mod.named_parameters(recurse=False)):
+                mod.register_parameter(p_name, nn.Parameter(
+                    DTensor.from_local(param, mesh, [Replicate()], run_check=False)))
+
+        def to_dtensor(mod, inputs, mesh):
+            return tuple(DTensor.from_local(x, mesh, [Shard(x.dim() - 2)], run_check=False)
+                         if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x
+                         for x in inputs)
+
+        def to_local(mod, output, mesh):
+            return output.to_local() if isinstance(output, DTensor) else output
+
+        return distribute_module(module, mesh, replicate_params, to_dtensor, to_local)
+
+
+class GatherSequenceOnEntry(ParallelStyle):
+    """Sequence parallelism: all-gather the ``Shard(1)`` residual stream into a full local
+    tensor before an attention or MLP block (positional or ``hidden_states=`` argument)."""
+
+    def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        def gather(x):
+            if isinstance(x, DTensor):
+                return x.redistribute(placements=[Replicate()]).to_local()
+            return x
+
+        def hook(mod, args, kwargs):
+            if args:
+                args = (gather(args[0]),) + tuple(args[1:])
+            if "hidden_states" in kwargs:
+                kwargs = dict(kwargs, hidden_states=gather(kwargs["hidden_states"]))
+            return args, kwargs
+
+        module.register_forward_pre_hook(hook, with_kwargs=True)
+        return module
+
+
+class _SumOverGroup(torch.autograd.Function):
+    """Forward: sum over the group (a partial result becomes whole). Backward: identity."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _SumGradOverGroup(torch.autograd.Function):
+    """Forward: identity. Backward: the gradient is summed over the group (each rank's
+    consumers saw only their share of the heads)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def _local(x):
+    return x.to_local() if isinstance(x, DTensor) else x
+
+
+class AllReduceOutput(ParallelStyle):
+    """``all_reduce``: the module returns a partial sum (e.g. over its TP-sharded inner
+    layers); the sum over TP is taken on exit."""
+
+    def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        group = mesh.get_group()
+
+        def hook(mod, args, output):
+            return None if output is None else _SumOverGroup.apply(_local(output), group)
+
+        module.register_forward_hook(hook)
+        return module
+
+
+class MlaKvAProj(ParallelStyle):
+    """``mla_kv_a_proj``: the output of a replicated KV down-projection is [latent, rope];
+    the latent part reaches the heads through a colwise up-projection (which sums its input
+    gradient already), the rope part reaches this rank's heads directly, so its gradient is
+    summed over TP here."""
+
+    def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        group = mesh.get_group()
+
+        def hook(mod, args, output):
+            rope = mod.rope_dim
+            latent, rot = _local(output).split([output.shape[-1] - rope, rope], dim=-1)
+            return torch.cat([latent, _SumGradOverGroup.apply(rot, group)], dim=-1)
+
+        module.register_forward_hook(hook)
+        return module
+
+
+class LocalParams(ParallelStyle):
+    """``local_params``: the module computes with the local shards of its own sharded
+    parameters (e.g. attention sinks split per head by a parameter-level ``colwise`` entry);
+    gradients flow back into the shards."""
+
+    def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        saved: dict = {}
+
+        def pre(mod, args):
+            for name, param in list(mod._parameters.items()):
+                if isinstance(param, DTensor):
+                    saved[name] = param
+                    mod._parameters[name] = param.to_local()
+
+        def post(mod, args, output):
+            for name, param in saved.items():
+                mod._parameters[name] = param
+            saved.clear()
+
+        module.register_forward_pre_hook(pre)
+        module.register_forward_hook(post, always_call=True)
+        return module
+
+
+class KeepWhole(ParallelStyle):
+    """``replicate``: every rank keeps the whole module (no sharding, no hooks)."""
+
+    def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        return module

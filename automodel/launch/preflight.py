@@ -1,0 +1,48 @@
+"""Checks that need the model's own structure, run before any rank or process group starts.
+
+The model is built on the meta device (no weights are read or allocated, so this costs the
+same for 70B as for a tiny model): its tensor-parallel plan is resolved and checked against
+its modules and sizes, and its pipeline anatomy (embedding, layers, norm, head) is found.
+Each check is the one the runtime itself uses, so what passes here runs there.
+"""
+
+from __future__ import annotations
+
+from automodel.config.build import ConfigError
+from automodel.config.resolve import TrainConfig
+
+
+def check_model_layout(cfg: TrainConfig) -> None:
+    """Raise ``ConfigError`` for a TP plan or pipeline split the model cannot take."""
+    if cfg.mesh.tp_size == 1 and cfg.mesh.pp_size == 1:
+        return
+    from automodel.config.validate_pipeline import check_pipeline_model
+    from automodel.distributed.pipelining.split import contents_from_fqns
+    from automodel.distributed.tensor_parallel import check_divisibility, expand_plan
+    from automodel.models.anatomy import find_anatomy
+    from automodel.models.builder import build_meta_model
+    from automodel.models.tp_plans import select_tp_plan
+
+    try:
+        model = build_meta_model(cfg.model)
+    except Exception as err:  # transformers' own config checks raise several kinds
+        raise ConfigError(f"model: cannot build {_which(cfg)}: {type(err).__name__}: "
+                          f"{err}") from None
+    try:
+        if cfg.mesh.tp_size > 1:
+            plan, source = select_tp_plan(model, getattr(cfg.parallelism, "tp_plan", None))
+            check_divisibility(model, expand_plan(model, plan, source), cfg.mesh.tp_size)
+        if cfg.pipeline is not None:
+            anatomy = find_anatomy(model)
+            check_pipeline_model(cfg.pipeline, cfg.mesh, cfg.model, cfg.trainer,
+                                 layers=anatomy.num_layers)
+            if cfg.pipeline.module_fqns_per_model_part is not None:
+                contents_from_fqns(model, anatomy, cfg.pipeline.module_fqns_per_model_part)
+    except ValueError as err:  # (ConfigError is one)
+        raise ConfigError(str(err)) from None
+
+
+def _which(cfg: TrainConfig) -> str:
+    m = cfg.model
+    return (f"model.pretrained_path={m.pretrained_path!r}" if m.pretrained_path else
+            f"model.config.model_type={m.config.get('model_type')!r}")

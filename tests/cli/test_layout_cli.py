@@ -1,0 +1,22 @@
+"""Rules on the model's own structure through the command line: exit 2 before any rank
+starts. They are checked on a meta-device copy of the model (torch and transformers are
+imported, no weights are allocated)."""
+
+import pytest
+
+from tests.cli.test_cli import run
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["mesh.tp_size=4"], "must divide the model's num_key_value_heads=2"),
+    (["mesh.tp_size=8"], "must divide the model's num_attention_heads=4"),
+    (["mesh.tp_size=2", "model.config.vocab_size=257"], "vocab_size=257"),
+    (["mesh.tp_size=2", "model.config.model_type=qwen3_moe", "+model.config.num_experts=4"],
+     "tensor-parallel expert layers"),
+])
+def test_tp_rule_on_the_model_structure_fails_before_any_rank(args, expected, tmp_path):
+    # checked on a meta-device copy of the model (torch is imported, no weights, no ranks)
+    out = run(["parallelism=fsdp2"] + args, tmp_path)
+    assert out.returncode == 2, out.stderr
+    assert expected in out.stderr and "configuration error" in out.stderr
+    assert not list(tmp_path.rglob("metrics.jsonl"))  # no rank ran

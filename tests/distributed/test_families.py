@@ -1,0 +1,48 @@
+"""Hugging Face families beyond Llama under tensor and pipeline parallelism.
+
+Each family is a tiny model built from its own config (``conf/model/<family>_tiny.yaml``):
+other module names (GPT-NeoX, Phi), tied embeddings (Gemma, Gemma 2, StarCoder2), embedding
+and logit multipliers in the model's own forward (Gemma, Granite), sliding-window layers
+chosen by layer index (Gemma 2), and TP plans with gathered/split styles (OLMo 2, Phi-3),
+multi-head latent attention (MiniCPM3: ``mla_kv_a_proj``) and per-head attention sinks split
+as a bare parameter (Granite SWA: ``local_params``).
+TP=2 (the family's own Hugging Face plan) and a 2-stage 1F1B pipeline must match the
+single-process run of the same family in losses and gradient norms (fp32).
+"""
+
+import pytest
+
+from tests.distributed.test_parity import assert_matches
+from tests.helpers import FP32, train
+
+FAMILIES = ["gpt_neox_tiny", "phi_tiny", "gemma_tiny", "gemma2_tiny", "olmo2_tiny",
+            "phi3_tiny", "granite_tiny", "starcoder2_tiny", "minicpm3_tiny", "granite_swa_tiny"]
+LAYOUTS = {
+    "tp2": ["parallelism=fsdp2", FP32, "mesh.tp_size=2"],
+    "pp2_1f1b": ["parallelism=fsdp2", FP32, "pipeline=1f1b", "pipeline.pp_microbatch_size=2"],
+}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_matches_single_process(family, layout, reference, tmp_path):
+    records = train(LAYOUTS[layout] + [f"model={family}"], tmp_path)
+    assert_matches(records, reference(f"model={family}"))
+
+
+@pytest.mark.parametrize("family,schedule", [("gemma_tiny", "interleaved"),
+                                             ("starcoder2_tiny", "v_schedule")])
+def test_tied_embeddings_with_several_stages_per_rank(family, schedule, reference, tmp_path):
+    # interleaved: the first and last stage on different ranks (a two-rank group sums the
+    # shared weight's gradient); V placement: both on rank 0 (summed locally)
+    records = train(["parallelism=fsdp2", FP32, f"pipeline={schedule}",
+                     "pipeline.pp_microbatch_size=2", f"model={family}"], tmp_path)
+    assert_matches(records, reference(f"model={family}"))
+
+
+def test_tied_embeddings_pipeline_with_tp_and_fsdp(reference, tmp_path):
+    # 8 ranks: pp 2 x dp 2 x tp 2; the tie groups pair ranks of the same (dp, tp) coordinate
+    records = train(["parallelism=fsdp2", FP32, "pipeline=1f1b", "model=gemma_tiny",
+                     "mesh.tp_size=2", "mesh.dp_size=2", "pipeline.pp_microbatch_size=1"],
+                    tmp_path)
+    assert_matches(records, reference("model=gemma_tiny"))

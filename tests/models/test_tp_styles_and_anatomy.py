@@ -1,0 +1,127 @@
+"""The TP style table against the installed transformers, every family's plan and pipeline
+anatomy, and the checks that refuse a layout before launch (meta-device models: no weights,
+no processes)."""
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from automodel.api import load_config
+from automodel.config.build import ConfigError
+from automodel.launch.preflight import check_model_layout
+from automodel.models.anatomy import AnatomyError, find_anatomy
+from automodel.models.tp_styles import TP_STYLE_NAMES, TP_STYLES, style_problem
+
+pytestmark = pytest.mark.fast
+
+SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+             num_attention_heads=4, num_key_value_heads=2)
+
+
+def test_style_table_is_the_installed_transformers_table():
+    import transformers.distributed.expert_parallel  # noqa: F401  (they register their styles
+    import transformers.distributed.tensor_parallel  # noqa: F401   in the table on import)
+    from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
+
+    assert sorted(ALL_PARALLEL_STYLES.keys()) == sorted(TP_STYLES)
+    for name, info in TP_STYLES.items():
+        assert (style_problem(name) is None) == (name in TP_STYLE_NAMES) == (info.refused is None)
+    assert "not a known tensor-parallel style" in style_problem("rowwize")
+
+
+def _family_plans():
+    for model_type, cls_name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items():
+        if model_type not in CONFIG_MAPPING:
+            continue
+        plan = dict(CONFIG_MAPPING[model_type].base_model_tp_plan or {})
+        import transformers
+
+        cls = getattr(transformers, cls_name, None)
+        plan.update(getattr(cls, "_tp_plan", None) or {})
+        if plan:
+            yield model_type, plan
+
+
+def test_every_family_plan_uses_only_styles_the_table_knows():
+    families = dict(_family_plans())
+    assert len(families) > 100
+    unknown = {(m, p, s) for m, plan in families.items() for p, s in plan.items()
+               if s not in TP_STYLES}
+    assert not unknown
+    runnable = [m for m, plan in families.items() if all(style_problem(s) is None
+                                                         for s in plan.values())]
+    for model_type in ("llama", "gpt_neox", "phi", "phi3", "olmo2", "gemma", "gemma2", "glm",
+                       "granite", "starcoder2", "minicpm3", "granite_swa"):
+        assert model_type in runnable
+
+
+def _meta(model_type, **kwargs):
+    config = AutoConfig.for_model(model_type, **{**SMALL, **kwargs})
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+@pytest.mark.parametrize("model_type,expected", [
+    ("llama", ("model", "embed_tokens", "layers", "norm", "lm_head", "base_model_pp_plan")),
+    ("gpt_neox", ("gpt_neox", "embed_in", "layers", "final_layer_norm", "lm_head",
+                  "base_model_pp_plan")),
+    ("phi", ("model", "embed_tokens", "layers", "final_layernorm", "lm_head",
+             "base_model_pp_plan")),
+    ("gptj", ("transformer", "wte", "h", "ln_f", "lm_head", "base_model_pp_plan")),
+    ("stablelm", ("model", "embed_tokens", "layers", "norm", "lm_head", "search")),
+])
+def test_anatomy_from_the_pp_plan_or_a_search(model_type, expected):
+    a = find_anatomy(_meta(model_type))
+    assert (a.base, a.embed, a.layers, a.norm, a.head, a.source) == expected
+    assert a.num_layers == 4
+
+
+def test_anatomy_refuses_parts_it_cannot_place():
+    with pytest.raises(AnatomyError, match="wpe"):  # GPT-2's learned positions
+        find_anatomy(_meta("gpt2"))
+
+
+def error(*overrides):
+    cfg = load_config(["data=synthetic"] + list(overrides))
+    with pytest.raises(ConfigError) as info:
+        check_model_layout(cfg)
+    return str(info.value)
+
+
+def test_refusals_name_the_family_pattern_and_style():
+    moe = ["model.config.model_type=qwen3_moe", "+model.config.num_experts=4",
+           "+model.config.moe_intermediate_size=32"]
+    msg = error("mesh.tp_size=2", *moe)
+    assert "Qwen3MoeForCausalLM" in msg and "qwen3_moe" in msg
+    assert "moe_tp_experts" in msg or "packed_colwise" in msg
+    assert "experts" in msg and "mesh.tp_size=1" in msg
+    # no plan of its own, and not Llama's module names
+    msg = error("mesh.tp_size=2", "model.config.model_type=gpt2")
+    assert "GPT2LMHeadModel" in msg and "matches no module" in msg
+    msg = error("pipeline=1f1b", "model.config.model_type=gpt2")
+    assert "GPT2LMHeadModel" in msg and "wpe" in msg and "pipeline=none" in msg
+
+
+def test_plan_rules_use_the_model_itself():
+    # an MLP-only plan leaves the vocabulary whole: any vocab size works
+    check_model_layout(load_config([
+        "mesh.tp_size=2", "model.config.vocab_size=257",
+        "parallelism.tp_plan={model.layers.*.mlp.up_proj:colwise,"
+        "model.layers.*.mlp.gate_proj:colwise,model.layers.*.mlp.down_proj:rowwise}"]))
+    assert "vocab_size=257" in error("mesh.tp_size=2", "model.config.vocab_size=257")
+    assert "num_key_value_heads=2" in error("mesh.tp_size=4")
+    assert "num_attention_heads=4" in error("mesh.tp_size=8")
+    # OLMo 2's plan gathers q/k/v: its heads need not divide tp_size
+    check_model_layout(load_config(["mesh.tp_size=2", "model=olmo2_tiny",
+                                    "model.config.num_key_value_heads=1"]))
+
+
+def test_explicit_stage_parts_use_the_family_names():
+    parts = ("pipeline.module_fqns_per_model_part=[[gpt_neox.embed_in,gpt_neox.layers.0],"
+             "[gpt_neox.layers.1,gpt_neox.layers.2,gpt_neox.layers.3,gpt_neox.final_layer_norm,"
+             "lm_head]]")
+    check_model_layout(load_config(["pipeline=1f1b", "model=gpt_neox_tiny", parts]))
+    msg = error("pipeline=1f1b", "model=gpt_neox_tiny", parts.replace("embed_in", "embed_tokens"))
+    assert "gpt_neox.embed_tokens" in msg and "gpt_neox.embed_in" in msg
