@@ -31,7 +31,7 @@ def test_tied_pipeline_checkpoint_resumes_elsewhere_and_exports_tied(tmp_path):
     hf = os.path.join(ckpt, "hf")
     model = AutoModelForCausalLM.from_pretrained(hf)
     assert model.lm_head.weight is model.model.embed_tokens.weight
-    loss, grad_norm = _loss_and_grad_norm_of(hf, 3, PP + RUN, tmp_path / "cfg")
+    loss, grad_norm = _loss_and_grad_norm_of(hf, 3, RUN, tmp_path / "cfg")
     np.testing.assert_allclose(loss, full[3]["loss"], rtol=1e-5)
     np.testing.assert_allclose(grad_norm, full[3]["grad_norm"], rtol=1e-4)
 
