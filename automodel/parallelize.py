@@ -4,6 +4,8 @@
     for part in parts:
         pre_shard_hook -> tensor parallel -> context parallel -> expert parallel
         -> activation checkpointing -> compile -> data parallel (DDP / FSDP2)
+    materialize (the model is built on the meta device: this rank's shards are allocated and
+    filled only now; before DDP's wrapping, after FSDP2's)
 
 Context and expert parallelism are refused before launch until they land
 (``automodel.launch.support``); their places in the order are fixed here.
@@ -12,6 +14,7 @@ Context and expert parallelism are refused before launch until they land
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from torch import nn
 
@@ -38,8 +41,12 @@ class ModelParts:
     tied_embeddings: bool = False  # split stages hold copies of one embedding/head weight
 
 
-def parallelize(model: nn.Module, setup: DistributedSetup) -> ModelParts:
-    """Apply every technique the setup asks for; returns the model parts to train."""
+def parallelize(model: nn.Module, setup: DistributedSetup,
+                materialize: Callable[[list], None] | None = None) -> ModelParts:
+    """Apply every technique the setup asks for; returns the model parts to train.
+
+    ``materialize``: the model was built on the meta device; this allocates and fills the
+    parts, after sharding (FSDP2) or before wrapping (DDP, none: they hold whole weights)."""
     tp_plan = None
     if setup.size(MeshAxis.TP) > 1:
         tp_plan = select_tp_plan(model, setup.options.tp_plan)
@@ -63,7 +70,11 @@ def parallelize(model: nn.Module, setup: DistributedSetup) -> ModelParts:
         apply_ac(part, ac_blocks, setup.activation_checkpointing, replace_module)
         if getattr(setup.options, "enable_compile", False):
             apply_compile(part, blocks)
+        if materialize is not None and setup.strategy != "fsdp2":
+            materialize([part])
         result.append(apply_data_parallel(part, blocks, setup))
+    if materialize is not None and setup.strategy == "fsdp2":
+        materialize(result)  # every part at once: one pass over the weights
     return ModelParts(result, stage_ids, num_stages, tied)
 
 

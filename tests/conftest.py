@@ -30,3 +30,10 @@ def reference(tmp_path_factory):
         return cache[extra]
 
     return get
+
+
+@pytest.fixture(autouse=True)
+def _no_gpus(monkeypatch):
+    """Tests describe a CPU machine: config resolution sees no GPU (whatever this machine has)
+    unless a test passes its own probe (tests/config/test_gpu_defaults.py)."""
+    monkeypatch.setattr("automodel.launch.env.gpu_device_probe", lambda: 0)

@@ -36,13 +36,14 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _worker(rank, world, port, fn, args, result_dir, path):
+def _worker(rank, world, port, fn, args, result_dir, path, timeout=None):
     sys.path[:] = path
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            **({"timeout": timeout} if timeout is not None else {}))
     try:
         result = fn(rank, world, *args)
         with open(os.path.join(result_dir, f"{rank}.pkl"), "wb") as f:
@@ -54,10 +55,11 @@ def _worker(rank, world, port, fn, args, result_dir, path):
         dist.destroy_process_group()
 
 
-def run_on_ranks(fn, world, *args, tmp_path):
-    """Run top-level ``fn(rank, world, *args)`` on ``world`` gloo ranks; return per-rank results."""
-    mp.spawn(_worker, args=(world, _free_port(), fn, args, str(tmp_path), list(sys.path)),
-             nprocs=world, join=True)
+def run_on_ranks(fn, world, *args, tmp_path, timeout=None):
+    """Run top-level ``fn(rank, world, *args)`` on ``world`` gloo ranks; return per-rank results.
+    ``timeout`` (a timedelta): the process group's, else torch's default."""
+    mp.spawn(_worker, args=(world, _free_port(), fn, args, str(tmp_path), list(sys.path),
+                            timeout), nprocs=world, join=True)
     out = []
     for rank in range(world):
         with open(tmp_path / f"{rank}.pkl", "rb") as f:

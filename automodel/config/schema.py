@@ -19,7 +19,9 @@ class DistributedConfig:
     """Process-group init and local launch."""
 
     backend: Optional[str] = None  # null = nccl with CUDA, else gloo
-    timeout_minutes: int = 1  # init and collective timeout, every mesh sub-group too
+    timeout_minutes: int = 1  # collective timeout during training, every mesh sub-group too
+    startup_timeout_minutes: int = 30  # the same until the first step ends, and around what
+    # rank 0 does alone (checkpoint save and export, W&B start and finish)
     nproc_per_node: Optional[int] = None  # null = product of mesh sizes (2 for DP strategies)
     stop_grace_seconds: int = 120  # after SIGTERM the local launcher gives its ranks this long
     # to finish the step and save a checkpoint before killing them (torchrun: set

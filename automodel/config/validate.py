@@ -47,6 +47,7 @@ def check_distributed(d: s.DistributedConfig) -> None:
         raise ConfigError(f"distributed.backend={d.backend!r}: allowed: gloo, nccl, mpi, ucc, "
                           "xccl, or null (nccl with CUDA, else gloo)")
     _positive("distributed.timeout_minutes", d.timeout_minutes)
+    _positive("distributed.startup_timeout_minutes", d.startup_timeout_minutes)
     _positive("distributed.nproc_per_node", d.nproc_per_node)
     _positive("distributed.stop_grace_seconds", d.stop_grace_seconds, 0)
 
@@ -65,6 +66,12 @@ def resolve_mesh(strategy: str, m: s.MeshConfig, launch: LaunchEnv, d: s.Distrib
                           "(or another file of conf/pipeline/)")
     replicate = m.dp_replicate_size or 1
     non_dp = m.tp_size * m.cp_size * pp
+    # Local ranks that init_distributed puts one per GPU (cuda:LOCAL_RANK): backend nccl, which
+    # null means when GPUs are visible. torchrun and SLURM place their ranks themselves.
+    gpus = launch.gpus
+    on_gpus = (launch.kind == "local" and strategy != "none"
+               and (d.backend or ("nccl" if gpus else "gloo")) == "nccl")
+    from_gpus = False
     world = launch.world_size
     if (world is not None and d.nproc_per_node is not None
             and d.nproc_per_node != launch.local_world_size):
@@ -75,6 +82,15 @@ def resolve_mesh(strategy: str, m: s.MeshConfig, launch: LaunchEnv, d: s.Distrib
     if world is None:
         if m.dp_size is not None:
             dp = m.dp_size
+        elif on_gpus and gpus >= non_dp:  # one rank per visible GPU
+            if gpus % non_dp:
+                raise ConfigError(
+                    f"the {gpus} visible GPUs (CUDA_VISIBLE_DEVICES, /dev/nvidia<N>) cannot "
+                    "be split into data-parallel groups of "
+                    f"mesh.tp_size*cp_size*pp_size = {m.tp_size}*{m.cp_size}*{pp} = {non_dp} "
+                    "ranks; set distributed.nproc_per_node (a multiple of "
+                    f"{non_dp}, at most {gpus}) or mesh.dp_size to use fewer GPUs")
+            dp, from_gpus = gpus // non_dp, True
         elif replicate > 1:
             dp = 2 * replicate
         elif strategy in MULTI_RANK_STRATEGIES and non_dp == 1:
@@ -97,13 +113,31 @@ def resolve_mesh(strategy: str, m: s.MeshConfig, launch: LaunchEnv, d: s.Distrib
         raise ConfigError(f"parallelism=none runs one process but the mesh asks for "
                           f"{dp * non_dp} ranks (dp={dp}, tp={m.tp_size}, cp={m.cp_size}, "
                           f"pp={pp}); choose parallelism=ddp or fsdp2")
+    ranks = dp * non_dp
+    if on_gpus and ranks > gpus:
+        asked = (f"distributed.nproc_per_node={d.nproc_per_node}" if d.nproc_per_node is not None
+                 else f"the mesh (mesh.dp_size*tp_size*cp_size*pp_size = {dp}*{m.tp_size}*"
+                      f"{m.cp_size}*{pp})")
+        backend = (f"distributed.backend={d.backend}" if d.backend
+                   else "distributed.backend=null (nccl when GPUs are visible)")
+        raise ConfigError(
+            f"{asked} asks for {ranks} local ranks but {_gpus(gpus)}, and {backend} "
+            "runs one rank per GPU; "
+            + (f"use at most {gpus} ranks (e.g. "
+               + (f"mesh.dp_size={gpus // non_dp}" if m.dp_size is not None
+                  and d.nproc_per_node is None
+                  else f"distributed.nproc_per_node={gpus // non_dp * non_dp}")
+               + ") or " if gpus >= non_dp else "")
+            + "use distributed.backend=gloo (ranks on CPU)")
     if replicate > 1:
         if strategy != "fsdp2":
             raise ConfigError(f"mesh.dp_replicate_size={replicate} is HSDP and needs "
                               f"parallelism=fsdp2 (or hsdp), not parallelism={strategy}")
         if dp % replicate:
             raise ConfigError(f"mesh.dp_replicate_size={replicate} must divide the data-parallel "
-                              f"size dp={dp}")
+                              f"size dp={dp}"
+                              + (f" (one rank per GPU: {_gpus(gpus)})" if from_gpus
+                                 else ""))
     if strategy == "ddp":
         for name, value in (("tp_size", m.tp_size), ("cp_size", m.cp_size), ("pp_size", pp),
                             ("ep_size", m.ep_size)):
@@ -123,6 +157,11 @@ def resolve_mesh(strategy: str, m: s.MeshConfig, launch: LaunchEnv, d: s.Distrib
         raise ConfigError(f"mesh.ep_size={m.ep_size} must divide dp*cp*tp = "
                           f"{dp * m.cp_size * m.tp_size} (experts are folded over those ranks)")
     return dataclasses.replace(m, dp_size=dp, dp_replicate_size=replicate, pp_size=pp)
+
+
+def _gpus(n: int) -> str:
+    return (f"{n} GPU{'' if n == 1 else 's'} {'is' if n == 1 else 'are'} visible "
+            "(CUDA_VISIBLE_DEVICES, /dev/nvidia<N>)")
 
 
 def resolve_trainer(t: s.TrainerConfig, mesh: s.MeshConfig) -> s.TrainerConfig:

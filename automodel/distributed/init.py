@@ -18,14 +18,17 @@ class DistInfo:
     rank: int
     world_size: int
     local_rank: int
-    timeout: datetime.timedelta = datetime.timedelta(minutes=1)  # of every collective
+    timeout: datetime.timedelta = datetime.timedelta(minutes=1)  # of collectives in training
+    startup_timeout: datetime.timedelta = datetime.timedelta(minutes=30)  # before, and in
+    # rank 0's solo phases
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
 
-def init_distributed(backend: str | None, timeout_minutes: int, need_group: bool) -> DistInfo:
+def init_distributed(backend: str | None, timeout_minutes: int, need_group: bool,
+                     startup_timeout_minutes: int = 30) -> DistInfo:
     """Start the default process group from the launcher's env (RANK, WORLD_SIZE, ...).
 
     A single process that still needs a group (e.g. FSDP2 on one rank) gets an in-memory one.
@@ -40,14 +43,30 @@ def init_distributed(backend: str | None, timeout_minutes: int, need_group: bool
     if device.type == "cuda":
         torch.cuda.set_device(device)
     timeout = datetime.timedelta(minutes=timeout_minutes)
+    # groups start with the longer start-up timeout; the runner lowers it after the first step
+    startup = max(timeout, datetime.timedelta(minutes=startup_timeout_minutes))
     if not dist.is_initialized() and (world > 1 or need_group):
         extra = {"device_id": device} if device.type == "cuda" else {}
         if world > 1:
-            dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout, **extra)
+            dist.init_process_group(backend, rank=rank, world_size=world, timeout=startup,
+                                    **extra)
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
-                                    timeout=timeout, **extra)
-    return DistInfo(backend, device, rank, world, local_rank, timeout)
+                                    timeout=startup, **extra)
+    return DistInfo(backend, device, rank, world, local_rank, timeout, startup)
+
+
+def set_collective_timeout(timeout: datetime.timedelta) -> None:
+    """Give every process group (the default one, the mesh's, the pipeline's tie groups) this
+    timeout. Collective: all ranks first meet in a barrier under the old timeout, so a fast
+    rank never waits for a slow one under the new, shorter one."""
+    if not dist.is_initialized():
+        return
+    from torch.distributed import distributed_c10d as c10d
+
+    dist.barrier()
+    for group in list(c10d._world.pg_map):
+        c10d._set_pg_timeout(timeout, group)
 
 
 def destroy_distributed() -> None:

@@ -153,7 +153,8 @@ def _split_parameter(model: nn.Module, fqn: str, style: str, tp_mesh: DeviceMesh
     owner = model.get_submodule(owner_name)
     param = getattr(owner, name)
     owner.register_parameter(name, nn.Parameter(
-        distribute_tensor(param.data, tp_mesh, [placement]), requires_grad=param.requires_grad))
+        distribute_tensor(param.data, tp_mesh, [placement], src_data_rank=None),
+        requires_grad=param.requires_grad))
 
 
 def _sequence_parallel_extras(model: nn.Module, block_fqns: list[str],

@@ -1,9 +1,12 @@
-"""Which launcher started this process, read from the environment. No torch."""
+"""Which launcher started this process, and how many GPUs it may use, read from the
+environment and the device files. No torch."""
 
 from __future__ import annotations
 
+import os
+import re
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from typing import Callable, Mapping, Optional
 
 
 @dataclass
@@ -13,13 +16,91 @@ class LaunchEnv:
     local_world_size: Optional[int] = None
     rank: int = 0
     restarts: int = 0  # how often SLURM requeued this job (it then resumes by itself)
+    gpus: int = 0  # CUDA GPUs visible to this process (visible_gpu_count)
 
     @property
     def external(self) -> bool:
         return self.kind != "local"
 
 
-def detect_launch_env(env: Mapping[str, str]) -> LaunchEnv:
+_GPU_DEVICE_FILE = re.compile(r"nvidia[0-9]+")  # not nvidiactl, nvidia-uvm, nvidia-modeset
+
+
+def nvidia_device_files(dev: str = "/dev") -> int:
+    """How many GPUs the NVIDIA driver exposes to this machine or container: its device files
+    /dev/nvidia0, /dev/nvidia1, ... (a container gets the files of its GPUs only). Reading a
+    directory costs nothing; torch.cuda (or nvidia-smi) would take seconds and, in the
+    launching process, torch must not be imported before the configuration is checked."""
+    try:
+        names = os.listdir(dev)
+    except OSError:
+        return 0
+    return sum(1 for name in names if _GPU_DEVICE_FILE.fullmatch(name))
+
+
+# The machine's probe; tests/conftest.py replaces it so that tests describe a CPU machine
+# unless they pass their own.
+gpu_device_probe: Callable[[], int] = nvidia_device_files
+
+
+def _ordinal(entry: str) -> int:
+    """CUDA reads each CUDA_VISIBLE_DEVICES entry like strtoul: leading digits, else -1."""
+    digits = re.match(r"[+-]?[0-9]+", entry.strip())
+    return int(digits.group()) if digits else -1
+
+
+def visible_gpu_count(env: Mapping[str, str], probe: Optional[Callable[[], int]] = None) -> int:
+    """CUDA GPUs this process may use, as CUDA would count them (torch's own parser,
+    torch.cuda._parse_visible_devices, follows the same rules), without importing torch.
+
+    ``probe()`` counts the machine's GPUs (default: ``nvidia_device_files``); none means no
+    driver, hence 0 whatever CUDA_VISIBLE_DEVICES says. CUDA_VISIBLE_DEVICES unset: all of
+    them. Set: a comma list read up to the first invalid entry (empty, negative such as "-1",
+    not a number such as "NoDevFiles"; then up to the first index beyond the machine's GPUs);
+    a repeated entry makes the list empty. ``GPU-<uuid>`` entries count as listed (at most the
+    machine's GPUs); ``MIG-<uuid>`` entries give 1 (CUDA enumerates one MIG instance per
+    process).
+    """
+    physical = (probe or gpu_device_probe)()
+    if physical <= 0:
+        return 0
+    var = env.get("CUDA_VISIBLE_DEVICES")
+    if var is None:
+        return physical
+    entries = [e.strip() for e in var.split(",")]
+    if entries[0].startswith(("GPU-", "MIG-")):
+        prefix = entries[0][:4]
+        listed: list = []
+        for e in entries:
+            if not e.startswith(prefix):
+                break
+            if e in listed:
+                return 0
+            listed.append(e)
+        return 1 if prefix == "MIG-" else min(len(listed), physical)
+    ordinals: list = []
+    for e in entries:
+        n = _ordinal(e)
+        if n < 0:
+            break
+        if n in ordinals:
+            return 0
+        ordinals.append(n)
+    for i, n in enumerate(ordinals):  # an index the machine does not have ends the list
+        if n >= physical:
+            return i
+    return len(ordinals)
+
+
+def detect_launch_env(env: Mapping[str, str],
+                      gpu_probe: Optional[Callable[[], int]] = None) -> LaunchEnv:
+    """``gpu_probe``: counts the machine's GPUs (see ``visible_gpu_count``)."""
+    launch = _launcher(env)
+    launch.gpus = visible_gpu_count(env, gpu_probe)
+    return launch
+
+
+def _launcher(env: Mapping[str, str]) -> LaunchEnv:
     if "TORCHELASTIC_RUN_ID" in env or ("RANK" in env and "WORLD_SIZE" in env
                                         and "MASTER_ADDR" in env):
         return LaunchEnv("torchrun", int(env["WORLD_SIZE"]),

@@ -1,9 +1,10 @@
 """Graceful stop: on SIGTERM, SIGUSR1 or SIGUSR2 a rank finishes its current step, the job
 saves a checkpoint and ends.
 
-The handler only records the signal; the training loop asks ``StopSignal.agreed()`` after
-each step, which all ranks answer together (one tiny all-reduce), so a signal that reached
-some ranks only still stops all of them after the same step. Under SLURM the handler that
+The handler only records the signal (``StopSignal.received``); each step's one read of device
+values (``recipes/step_values.read_step``) carries it as a maximum over all ranks, so a signal
+that reached some ranks only still stops all of them after the same step (the step it arrived
+in, or the next when it came after that step's read). Under SLURM the handler that
 submitit installed for its preemption signal is kept and called once the checkpoint is
 written: it requeues the job (submitit's checkpoint/requeue), and the requeued job resumes
 from that checkpoint.
@@ -14,9 +15,6 @@ from __future__ import annotations
 import logging
 import signal
 import threading
-
-import torch
-import torch.distributed as dist
 
 log = logging.getLogger(__name__)
 
@@ -47,15 +45,6 @@ class StopSignal:
             self.received = signum
             log.warning("received %s: finishing the current step, then saving a checkpoint",
                         signal.Signals(signum).name)
-
-    def agreed(self, device: torch.device) -> int | None:
-        """The stop signal if any rank received one (the same answer on every rank)."""
-        value = self.received or 0
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            t = torch.tensor([value], dtype=torch.int64, device=device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            value = int(t.item())
-        return value or None
 
     def hand_over_to_submitit(self) -> bool:
         """Under submitit, run its preemption handler (checkpoint callable, requeue, exit).

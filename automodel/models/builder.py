@@ -20,11 +20,14 @@ def hf_config(cfg: ModelConfig):
 
 
 def build_meta_model(cfg: ModelConfig) -> nn.Module:
-    """The model's structure without weights (meta device): for checks before launch."""
+    """The model's structure without weights (meta device): checks before launch, and every
+    rank's starting point (``automodel.distributed.materialize``)."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(hf_config(cfg), dtype=getattr(torch, cfg.dtype))
+        model = AutoModelForCausalLM.from_config(hf_config(cfg), dtype=getattr(torch, cfg.dtype))
+    model.config.use_cache = False  # as build_model
+    return model
 
 
 def build_model(cfg: ModelConfig, seed: int) -> nn.Module:

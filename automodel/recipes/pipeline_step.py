@@ -1,4 +1,6 @@
-"""One optimizer step under pipeline parallelism: the schedule runs the micro-batches."""
+"""One optimizer step under pipeline parallelism: the schedule runs the micro-batches.
+
+Like ``recipes/step.py``, nothing is read on the host: the step returns device tensors."""
 
 from __future__ import annotations
 
@@ -17,7 +19,14 @@ from automodel.distributed.pipelining.layout import canonical_schedule
 from automodel.distributed.pipelining.stages import PipelineLoss, build_schedule, load_loss_fn
 from automodel.distributed.pipelining.tied import TiedEmbeddingSync
 from automodel.distributed.setup import DistributedSetup
-from automodel.recipes.step import count_global_tokens, grad_norm_and_clip
+from automodel.recipes.step import (
+    StepStats,
+    count_global_tokens,
+    full,
+    grad_norm_and_clip,
+    to_device,
+    unpacked_sequences,
+)
 
 log = logging.getLogger(__name__)
 
@@ -62,12 +71,9 @@ class PipelineStep:
                                                       self.n_microbatches,
                                                       p.pp_recv_buffer_pool_slack))
 
-    def recv_buffer_bytes(self) -> int:
-        """Receive-buffer bytes of the whole pipeline (all stages, summed over pp ranks)."""
-        t = torch.tensor([float(sum(recv_buffer_bytes(s) for s in _stages_of(self.schedule)))],
-                         dtype=torch.float64, device=self.setup.device)
-        dist.all_reduce(t, group=self.pp_group)
-        return int(t.item())
+    def local_recv_buffer_bytes(self) -> int:
+        """Receive-buffer bytes of this rank's stages (the step sums them over pp ranks)."""
+        return sum(recv_buffer_bytes(s) for s in _stages_of(self.schedule))
 
     def _activation_dtype(self) -> torch.dtype:
         """What flows between stages: pipeline.dtype, else FSDP2's parameter dtype, else the
@@ -81,17 +87,44 @@ class PipelineStep:
                 return getattr(torch, name)
         return next(self.parts[0].parameters()).dtype
 
-    def __call__(self, micro_batches, max_grad_norm):
+    def __call__(self, micro_batches, max_grad_norm) -> StepStats:
         """The schedule over the micro-batches, then clip (the optimizer step is the
-        caller's). Returns (global mean loss, gradient norm, global token count)."""
+        caller's). Returns (global mean loss, gradient norm, global token count) as device
+        tensors, with the pipeline's receive-buffer bytes as an extra."""
         setup = self.setup
-        global_tokens = count_global_tokens(micro_batches, setup)
-        self.loss.scale = setup.dp_size / global_tokens * (
+        inputs = to_device(torch.cat([x for x, _ in micro_batches]), setup.device)
+        labels = to_device(torch.cat([y for _, y in micro_batches]), setup.device)
+        global_tokens = count_global_tokens([labels], setup)
+        # float64 as a Python float would be; the loss is multiplied by it rounded to float32
+        scale = full(setup.dp_size, setup.device) / global_tokens * (
             self.n_microbatches if self.scale_in_schedule else 1)
+        self.loss.scale = scale.to(torch.float32)
         losses: list = []  # the scaled loss of each micro-batch, on the last stage
-        inputs = torch.cat([x for x, _ in micro_batches]).to(setup.device)
-        labels = torch.cat([y for _, y in micro_batches]).to(setup.device)
         chunks = range(0, inputs.shape[0], self.batch)
+        with unpacked_sequences():
+            self._run_schedule(inputs, labels, chunks, losses)
+        not_in_norm = frozenset()
+        if self.tied is not None:
+            self.tied.sync_grads()
+            not_in_norm = frozenset(self.tied.not_in_norm)
+        params = [p for part in self.parts for p in part.parameters()]
+        grad_norm = grad_norm_and_clip(params, max_grad_norm, across_group=self.pp_group,
+                                       not_in_norm=not_in_norm)
+        # [loss sum, receive-buffer bytes]: summed over pp (only the last stage has the
+        # loss), then the loss over dp
+        sums = torch.zeros(2, dtype=torch.float64, device=setup.device)
+        if losses:
+            sums[:1] += torch.stack([x.detach() for x in losses]).sum().to(torch.float64) \
+                / scale
+        sums[1].fill_(float(self.local_recv_buffer_bytes()))  # (a fill: no copy, no sync)
+        dist.all_reduce(sums, group=self.pp_group)
+        loss_sum = sums[:1]
+        if setup.dp_group is not None:
+            dist.all_reduce(loss_sum, group=setup.dp_group)
+        return StepStats(loss_sum[0] / global_tokens, grad_norm, global_tokens,
+                         {"pp_recv_buffer_bytes": sums[1].to(torch.int64)})
+
+    def _run_schedule(self, inputs, labels, chunks, losses: list) -> None:
         for chunk in chunks:
             # with the no-sync patch, gradients are reduced after the last chunk only
             self._defer_reduce = chunk != chunks[-1]
@@ -101,21 +134,6 @@ class PipelineStep:
             self.schedule.step(*args, target=target,
                                losses=chunk_losses if self.has_last else None)
             losses.extend(chunk_losses)
-        not_in_norm = frozenset()
-        if self.tied is not None:
-            self.tied.sync_grads()
-            not_in_norm = frozenset(self.tied.not_in_norm)
-        params = [p for part in self.parts for p in part.parameters()]
-        grad_norm = grad_norm_and_clip(params, max_grad_norm, across_group=self.pp_group,
-                                       not_in_norm=not_in_norm)
-        loss_sum = torch.zeros(1, dtype=torch.float64, device=setup.device)
-        if losses:
-            loss_sum += torch.stack([x.detach() for x in losses]).sum().to(torch.float64) \
-                / self.loss.scale
-        dist.all_reduce(loss_sum, group=self.pp_group)  # only the last stage has it
-        if setup.dp_group is not None:
-            dist.all_reduce(loss_sum, group=setup.dp_group)
-        return float(loss_sum.item()) / global_tokens, grad_norm, global_tokens
 
 
 def _forward_under_autocast(part, device_type: str, dtype: torch.dtype) -> None:

@@ -4,11 +4,18 @@ The loss of a step is the mean token cross-entropy over the whole global batch (
 all micro-batches), so every layout reports the same number for the same data. Each
 micro-batch's backward uses ``sum / global_tokens * dp_size`` because DDP and FSDP2 average
 gradients over the data-parallel ranks.
+
+No host reads: on a GPU each ``.item()``, ``float(t)``, ``.tolist()`` or Python branch on a
+tensor waits until the device has caught up. The step keeps its token count, loss scale,
+clipping coefficient and results on the device and returns them as ``StepStats``; the runner
+reads them, with its own per-step values, in one transfer (``recipes/step_values.py``).
+Host-to-device copies are asynchronous too (a plain ``.to(cuda)`` waits for the stream).
 """
 
 from __future__ import annotations
 
 import contextlib
+from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -18,6 +25,58 @@ from torch.distributed.tensor import DTensor
 from automodel.distributed.setup import DistributedSetup
 
 IGNORE_INDEX = -100
+
+
+class StepStats(NamedTuple):
+    """What a step returns, still on the device (the same values on every rank)."""
+
+    loss: torch.Tensor  # 0-dim float64: mean token loss over the global batch
+    grad_norm: torch.Tensor  # 0-dim: global gradient norm before clipping
+    tokens: torch.Tensor  # 0-dim float64: label tokens of the global batch
+    extra: Optional[dict] = None  # more 0-dim tensors to log, by name
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Copy a host tensor to ``device`` without waiting for the device: from pinned memory,
+    non-blocking (a pageable, blocking copy synchronizes the CUDA stream)."""
+    if t.device == device:
+        return t
+    if device.type == "cuda" and t.device.type == "cpu":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
+
+
+def full(value: float, device: torch.device, dtype=torch.float64) -> torch.Tensor:
+    """A 0-dim tensor made on the device from a host number (a fill: no copy, no sync)."""
+    return torch.full((), value, dtype=dtype, device=device)
+
+
+def _no_packed_sequences(position_ids):
+    return None
+
+
+@contextlib.contextmanager
+def unpacked_sequences():
+    """While the model runs: transformers' check for packed sequences answers "none".
+
+    Without an attention mask, transformers looks for several sequences packed in one row in
+    the position ids (``find_packed_sequence_indices``) on every forward, a Python branch on a
+    tensor: a device sync per forward. The steps always pass full-length positions
+    ``0..L-1``, for which that check returns None; this gives the same answer without reading
+    the device."""
+    try:
+        from transformers import masking_utils
+    except ImportError:
+        masking_utils = None
+    original = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if original is None:
+        yield
+        return
+    masking_utils.find_packed_sequence_indices = _no_packed_sequences
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = original
 
 
 def _all_reduce_sum(t: torch.Tensor, group) -> torch.Tensor:
@@ -52,8 +111,9 @@ def _ddp_hint(err: RuntimeError) -> RuntimeError:
 
 
 def grad_norm_and_clip(parameters, max_grad_norm, across_group=None,
-                       not_in_norm: frozenset = frozenset()) -> float:
-    """Global L2 norm of all gradients, then clip to ``max_grad_norm`` (null: no clipping).
+                       not_in_norm: frozenset = frozenset()) -> torch.Tensor:
+    """Global L2 norm of all gradients (a 0-dim float32 tensor, not read on the host), then
+    clip to ``max_grad_norm`` (null: no clipping) by a coefficient that stays on the device.
 
     Gradients may be plain tensors and DTensors on different meshes (FSDP2 shards, TP shards,
     both): norms are taken per group of like gradients, each made global, then combined.
@@ -70,6 +130,7 @@ def grad_norm_and_clip(parameters, max_grad_norm, across_group=None,
             groups.setdefault(key, []).append(g)
             if id(p) not in not_in_norm:
                 counted.setdefault(key, []).append(g)
+    device = next(iter(groups.values()))[0].device if groups else torch.device("cpu")
     partial_norms = []
     for grads in counted.values():
         norms = torch._foreach_norm(grads, 2.0)
@@ -78,7 +139,7 @@ def grad_norm_and_clip(parameters, max_grad_norm, across_group=None,
             group_norm = group_norm.full_tensor()
         partial_norms.append(group_norm)
     total = (torch.linalg.vector_norm(torch.stack(partial_norms), 2.0) if partial_norms
-             else torch.zeros((), dtype=torch.float32))
+             else torch.zeros((), dtype=torch.float32, device=device))
     if across_group is not None:
         squared = (total.to(torch.float64) ** 2).reshape(1)
         dist.all_reduce(squared, group=across_group)
@@ -86,34 +147,36 @@ def grad_norm_and_clip(parameters, max_grad_norm, across_group=None,
     if max_grad_norm is not None:
         coef = torch.clamp(max_grad_norm / (total + 1e-6), max=1.0)
         for grads in groups.values():
-            torch._foreach_mul_(grads, coef.item())
-    return float(total)
+            torch._foreach_mul_(grads, coef.to(grads[0].device))
+    return total
 
 
-def count_global_tokens(micro_batches, setup: DistributedSetup) -> int:
-    """Label tokens of the whole global batch (all data-parallel ranks)."""
-    local = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in micro_batches)
-    t = torch.tensor([local], dtype=torch.float64, device=setup.device)
-    return int(_all_reduce_sum(t, setup.dp_group).item())
+def count_global_tokens(labels, setup: DistributedSetup) -> torch.Tensor:
+    """Label tokens of the whole global batch (all data-parallel ranks), counted on the device
+    from ``labels`` (tensors on ``setup.device``): a 0-dim float64 tensor (exact below 2**53)."""
+    local = torch.stack([(y != IGNORE_INDEX).sum() for y in labels]).sum()
+    return _all_reduce_sum(local.to(torch.float64).reshape(1), setup.dp_group)[0]
 
 
-def train_step(model, setup: DistributedSetup, micro_batches, max_grad_norm):
+def train_step(model, setup: DistributedSetup, micro_batches, max_grad_norm) -> StepStats:
     """Forward and backward over the micro-batches, then clip; the optimizer step is the
-    caller's. Returns (global mean loss, gradient norm before clipping, global token count),
-    the same numbers on every rank."""
+    caller's. Returns (global mean loss, gradient norm before clipping, global token count)
+    as device tensors, the same values on every rank: nothing is read on the host."""
     device = setup.device
     group = setup.dp_group
-    global_tokens = count_global_tokens(micro_batches, setup)
-    scale = setup.dp_size / global_tokens
+    batches = [(to_device(x, device), to_device(y, device)) for x, y in micro_batches]
+    global_tokens = count_global_tokens([y for _, y in batches], setup)
+    # dp_size / global_tokens in float64 (as a Python float would be), rounded once to the
+    # loss's float32
+    scale = (full(setup.dp_size, device) / global_tokens).to(torch.float32)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    for i, (inputs, labels) in enumerate(micro_batches):
-        inputs, labels = inputs.to(device), labels.to(device)
+    for i, (inputs, labels) in enumerate(batches):
         # Full-length positions, explicitly: under sequence parallelism a model would
         # otherwise derive them from its local shard of the sequence.
         positions = torch.arange(inputs.shape[1], device=device).expand_as(inputs)
         try:
-            with grad_sync_context(model, setup, i == len(micro_batches) - 1):
-                with autocast_context(setup):
+            with grad_sync_context(model, setup, i == len(batches) - 1):
+                with autocast_context(setup), unpacked_sequences():
                     logits = model(input_ids=inputs, position_ids=positions, use_cache=False).logits
                 mb_loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
                                           ignore_index=IGNORE_INDEX, reduction="sum")
@@ -124,5 +187,5 @@ def train_step(model, setup: DistributedSetup, micro_batches, max_grad_norm):
             raise
         loss_sum += mb_loss.detach().to(torch.float64)
     grad_norm = grad_norm_and_clip(model.parameters(), max_grad_norm)
-    loss = float(_all_reduce_sum(loss_sum, group).item()) / global_tokens
-    return loss, grad_norm, global_tokens
+    loss = _all_reduce_sum(loss_sum, group) / global_tokens
+    return StepStats(loss, grad_norm, global_tokens)

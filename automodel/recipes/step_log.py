@@ -1,6 +1,7 @@
 """What the runner reports after each step: the progress bar every step; every
 ``trainer.log_every`` steps (and the first, the last and any skipped step) one record to
-``metrics.jsonl``, W&B (rank 0) and the log line."""
+``metrics.jsonl``, W&B (rank 0) and the log line. The values come from the step's one read
+(``recipes/step_values.py``): nothing here reads the device."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import resource
 import time
 
 import torch
-import torch.distributed as dist
 
 from automodel.config.resolve import TrainConfig
 from automodel.distributed.init import DistInfo
@@ -19,24 +19,18 @@ from automodel.tracking.progress import Progress
 log = logging.getLogger("automodel")
 
 
-def peak_memory_bytes(info: DistInfo) -> int:
-    """The largest peak over all ranks: CUDA allocations, else the process's resident set."""
+def local_peak_memory_bytes(info: DistInfo) -> int:
+    """This rank's peak so far: CUDA allocations, else the process's resident set (host
+    counters, no device read; ``read_step`` takes the largest over all ranks)."""
     if info.device.type == "cuda":
-        value = torch.cuda.max_memory_allocated(info.device)
-    else:  # Linux reports the peak resident set in KiB
-        value = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    if dist.is_initialized():
-        t = torch.tensor([value], dtype=torch.float64, device=info.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        value = int(t.item())
-    return int(value)
+        return int(torch.cuda.max_memory_allocated(info.device))
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: in KiB
 
 
 class StepLog:
     def __init__(self, cfg: TrainConfig, info: DistInfo, output_dir: str, start_step: int,
-                 last_step: int, extra=None):
-        """``extra()``: more fields for a record (called on every rank: may be collective)."""
-        self.cfg, self.info, self.extra = cfg, info, extra
+                 last_step: int):
+        self.cfg, self.info = cfg, info
         self.records: list[dict] = []
         self.metrics = MetricsWriter(output_dir, info.is_main)
         self.tracker = None
@@ -52,20 +46,23 @@ class StepLog:
     def logging_redirect(self):
         return self.progress.logging_redirect()
 
-    def step(self, number: int, loss: float, grad_norm: float, lr: float, tokens: int,
-             seconds: float, skipped: bool) -> None:
+    def step(self, number: int, values, lr: float, seconds: float) -> None:
+        """``values``: the step's ``StepValues`` (not finite: the step was skipped). The peak
+        memory is the one read with them: up to the step's gradient clipping, so an optimizer
+        step's allocations show from the next step on."""
         t = self.cfg.trainer
+        loss, grad_norm, tokens = values.loss, values.grad_norm, values.tokens
+        skipped = not values.finite
         self.window_tokens += tokens
+        self.peak = values.peak_memory_bytes
         if number % t.log_every == 0 or number in (1, t.max_steps) or skipped:
             elapsed = time.perf_counter() - self.window_start
-            self.peak = peak_memory_bytes(self.info)
             record = {"step": number, "loss": loss, "grad_norm": grad_norm, "lr": lr,
                       "tokens_per_second": self.window_tokens / max(elapsed, 1e-9),
                       "peak_memory_bytes": self.peak}
             if skipped:
                 record["skipped"] = True
-            if self.extra is not None:
-                record.update(self.extra())
+            record.update(values.extra)
             self.records.append(record)
             self.metrics.write(record)
             if self.tracker is not None:

@@ -5,8 +5,8 @@ build model -> parallelize -> optimizer, scheduler -> data plan -> loop -> metri
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import math
 import os
 import time
 import warnings
@@ -19,19 +19,26 @@ from automodel.checkpoint.paths import checkpoint_root, complete_checkpoints
 from automodel.config.resolve import TrainConfig
 from automodel.data.batches import BatchPlan
 from automodel.data.sources import token_sequences
-from automodel.distributed.init import DistInfo, destroy_distributed, init_distributed
+from automodel.distributed.init import (
+    DistInfo,
+    destroy_distributed,
+    init_distributed,
+    set_collective_timeout,
+)
+from automodel.distributed.materialize import full_initial_state, materialize
 from automodel.distributed.mesh import MeshAxis, build_mesh
 from automodel.distributed.patches import patch_is_packed_sequence
 from automodel.distributed.setup import DistributedSetup
 from automodel.faults import Faults
 from automodel.launch.errors import TrainingStopped
 from automodel.launch.signals import StopSignal
-from automodel.models.builder import build_model
+from automodel.models.builder import build_meta_model, build_model
 from automodel.optim import Optimizers, Schedulers
 from automodel.parallelize import parallelize
 from automodel.recipes.pipeline_step import PipelineStep
 from automodel.recipes.step import train_step
 from automodel.recipes.step_log import StepLog
+from automodel.recipes.step_values import read_step
 
 log = logging.getLogger("automodel")
 
@@ -74,7 +81,8 @@ def build_setup(cfg: TrainConfig, info: DistInfo) -> DistributedSetup:
     mesh = None
     if dist.is_initialized():
         m = cfg.mesh
-        mesh = build_mesh(info.device.type, info.backend, cfg.distributed.timeout_minutes,
+        startup_minutes = info.startup_timeout.total_seconds() / 60
+        mesh = build_mesh(info.device.type, info.backend, startup_minutes,
                           pp=m.pp_size, dp_replicate=m.dp_replicate_size,
                           dp_shard=m.dp_size // m.dp_replicate_size, cp=m.cp_size, tp=m.tp_size)
     return DistributedSetup(
@@ -99,11 +107,11 @@ def _train(cfg: TrainConfig, info: DistInfo, output_dir: str) -> list[dict]:
     setup = build_setup(cfg, info)
     if getattr(cfg.parallelism, "patch_is_packed_sequence", False):
         patch_is_packed_sequence()
-    model = build_model(cfg.model, cfg.trainer.seed).to(info.device)
+    model, materialize = _initial_model(cfg, info)
     vocab = model.config.vocab_size
     n_params = sum(p.numel() for p in model.parameters())
     model_config = model.config.to_dict()
-    parallel = parallelize(model, setup)
+    parallel = parallelize(model, setup, materialize)
     model = parallel.parts[0]
     optimizer = Optimizers(parallel.parts, cfg.optim)
     scheduler = Schedulers(optimizer, cfg.optim, cfg.trainer.max_steps)
@@ -125,17 +133,16 @@ def _train(cfg: TrainConfig, info: DistInfo, output_dir: str) -> list[dict]:
                                 cfg.checkpoint.keep_last, info.rank, faults)
     start_step = _restore(cfg, checkpointer, parallel.parts, optimizer, scheduler)
     last_step = t.stop_at_step or t.max_steps
-    steplog = StepLog(cfg, info, output_dir, start_step, last_step,
-                      extra=(lambda: {"pp_recv_buffer_bytes": pipeline.recv_buffer_bytes()})
-                      if pipeline is not None else None)
+    steplog = StepLog(cfg, info, output_dir, start_step, last_step)
     saved_step, number, stopped_by = start_step, start_step, None
     stop = StopSignal().install()
 
     def save(step_number: int) -> None:
         nonlocal saved_step
         extra = {"tokenizer_path": getattr(cfg.data, "tokenizer_path", None)}
-        path = checkpointer.save(step_number, parallel.parts, optimizer, scheduler, model_config,
-                                 extra, export_hf=cfg.checkpoint.export_hf)
+        with _startup_timeout(info):  # rank 0 exports and prunes alone
+            path = checkpointer.save(step_number, parallel.parts, optimizer, scheduler,
+                                     model_config, extra, export_hf=cfg.checkpoint.export_hf)
         saved_step = step_number
         log.info("checkpoint saved: %s", path)
 
@@ -149,25 +156,27 @@ def _train(cfg: TrainConfig, info: DistInfo, output_dir: str) -> list[dict]:
                 micro = plan.micro_batches(step, setup.dp_rank, setup.dp_size, t.local_batch_size)
                 hooks = faults.poison_logits(number, parallel.parts)
                 if pipeline is not None:
-                    loss, grad_norm, tokens = pipeline(micro, cfg.optim.max_grad_norm)
+                    stats = pipeline(micro, cfg.optim.max_grad_norm)
                 else:
-                    loss, grad_norm, tokens = train_step(model, setup, micro,
-                                                         cfg.optim.max_grad_norm)
+                    stats = train_step(model, setup, micro, cfg.optim.max_grad_norm)
                 for h in hooks:
                     h.remove()
-                # loss and gradient norm are global: every rank takes the same branch
-                finite = math.isfinite(loss) and math.isfinite(grad_norm)
-                if finite:
+                # The step's one device-to-host read (loss, norm, tokens, peak memory, the stop
+                # signal of any rank): the same values on every rank, so every rank takes the
+                # same branches. Before the optimizer step, which a non-finite step never runs.
+                values = read_step(stats, info, stop.received)
+                if values.finite:
                     optimizer.step()
                 else:
-                    _nonfinite(number, loss, grad_norm, t.on_nonfinite, saved_step)
+                    _nonfinite(number, values.loss, values.grad_norm, t.on_nonfinite, saved_step)
                 optimizer.zero_grad(set_to_none=True)
                 scheduler.step()
-                steplog.step(number, loss, grad_norm, lr, tokens, time.perf_counter() - started,
-                             skipped=not finite)
+                steplog.step(number, values, lr, time.perf_counter() - started)
+                if step == start_step:  # start-up (compile, loads, W&B start) is over
+                    set_collective_timeout(info.timeout)
                 if cfg.checkpoint.every_steps and number % cfg.checkpoint.every_steps == 0:
                     save(number)
-                stopped_by = stop.agreed(info.device)
+                stopped_by = values.stop_signal
                 if stopped_by is not None and number < last_step:
                     break
                 stopped_by = None  # (a signal during the last step: the run is done anyway)
@@ -176,6 +185,7 @@ def _train(cfg: TrainConfig, info: DistInfo, output_dir: str) -> list[dict]:
             save(number)
     finally:
         stop.restore()
+        set_collective_timeout(info.startup_timeout)  # rank 0 alone finishes W&B
         steplog.close()
     if stopped_by is not None:
         stopped = TrainingStopped(stopped_by, number, checkpointer.path(number))
@@ -186,6 +196,29 @@ def _train(cfg: TrainConfig, info: DistInfo, output_dir: str) -> list[dict]:
             _barrier()  # no rank ends before the requeue is done
         raise stopped
     return steplog.records
+
+
+@contextlib.contextmanager
+def _startup_timeout(info: DistInfo):
+    set_collective_timeout(info.startup_timeout)
+    try:
+        yield
+    finally:
+        set_collective_timeout(info.timeout)
+
+
+def _initial_model(cfg: TrainConfig, info: DistInfo):
+    """(model, materialize). With a process group every rank builds the model on the meta
+    device and ``parallelize`` materializes only its shards, filled from rank 0's one full
+    copy; a lone process builds the real model directly."""
+    seed = cfg.trainer.seed
+    if not dist.is_initialized():
+        return build_model(cfg.model, seed).to(info.device), None
+
+    def fill(parts):
+        materialize(parts, info.device, lambda: full_initial_state(cfg.model, seed))
+
+    return build_meta_model(cfg.model), fill
 
 
 def _nonfinite(number: int, loss: float, grad_norm: float, policy: str, saved_step: int):
@@ -233,6 +266,7 @@ def run_rank(cfg: TrainConfig) -> list[dict] | None:
     if threads:
         torch.set_num_threads(int(threads))
     info = init_distributed(cfg.distributed.backend, cfg.distributed.timeout_minutes,
+                            startup_timeout_minutes=cfg.distributed.startup_timeout_minutes,
                             need_group=cfg.strategy != "none")
     try:
         records = train(cfg, info)

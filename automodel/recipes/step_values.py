@@ -1,0 +1,68 @@
+"""The one device-to-host transfer of a training step.
+
+A step leaves its results on the device (``StepStats``); the runner needs them on the host to
+apply ``trainer.on_nonfinite``, to log, and to know whether a stop signal reached any rank. On a
+GPU each host read waits until the device has caught up, so everything is read together, once
+per step, after clipping and before the optimizer step (which must not run for a non-finite
+step):
+
+- loss, gradient norm and token count: global already (the step sums the loss and the tokens
+  over the data-parallel and pipeline ranks; clipping makes the norm global);
+- the stop signal and the peak memory: a maximum over all ranks, one small all-reduce of
+  ``[signal, peak bytes]`` issued on the device and not read by itself. It cannot join the
+  step's sums: another reduction (max, not sum) over another group (the world, not the
+  data-parallel ranks, which under TP or PP is a subgroup);
+- the step's extras (the pipeline's receive-buffer bytes).
+
+All of it is stacked into one float64 tensor (exact for integers below 2**53) and read with one
+``.tolist()``. Every rank reads the same values, so every rank takes the same branches.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from automodel.distributed.init import DistInfo
+from automodel.recipes.step import StepStats, full
+from automodel.recipes.step_log import local_peak_memory_bytes
+
+
+@dataclass(frozen=True)
+class StepValues:
+    """A step's values on the host, the same on every rank."""
+
+    loss: float
+    grad_norm: float
+    tokens: int
+    stop_signal: int | None  # the signal any rank received, else None
+    peak_memory_bytes: int  # the largest peak so far over all ranks
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def finite(self) -> bool:
+        return math.isfinite(self.loss) and math.isfinite(self.grad_norm)
+
+
+def read_step(stats: StepStats, info: DistInfo, stop_signal: int | None) -> StepValues:
+    """The step's one read: ``stats`` and, over all ranks, the largest of this rank's
+    ``stop_signal`` (None or 0: none received) and peak memory."""
+    device = stats.loss.device
+    ranks = torch.stack([full(stop_signal or 0, device),
+                         full(local_peak_memory_bytes(info), device)])
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(ranks, op=dist.ReduceOp.MAX)
+    extra = stats.extra or {}
+    values = torch.cat([
+        torch.stack([stats.loss.to(torch.float64), stats.grad_norm.to(torch.float64),
+                     stats.tokens.to(torch.float64)]),
+        ranks,
+        *[t.to(torch.float64).reshape(1) for t in extra.values()],
+    ]).tolist()  # the one device-to-host transfer of the step
+    loss, grad_norm, tokens, signal, peak = values[:5]
+    return StepValues(loss, grad_norm, int(tokens), int(signal) or None, int(peak),
+                      {name: (v if t.is_floating_point() else int(v))
+                       for (name, t), v in zip(extra.items(), values[5:])})
