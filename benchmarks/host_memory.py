@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import sys
 import tempfile
 from pathlib import Path
@@ -28,8 +27,18 @@ FP32 = ("parallelism.mp_policy={_target_:torch.distributed.fsdp.MixedPrecisionPo
         "param_dtype:float32,reduce_dtype:float32}")
 
 
-def _rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+def _status(field: str) -> int:
+    """A memory figure of this process from /proc/self/status, in bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:  # Linux: VmHWM := the current RSS
+        f.write("5")
 
 
 def rank_entry(cfg, eager: bool):
@@ -46,9 +55,21 @@ def rank_entry(cfg, eager: bool):
             return build_model(cfg.model, cfg.trainer.seed).to(info.device), None
 
         runner._initial_model = whole_model_everywhere
-    start = _rss()
+    loaded = {}
+    parallelize = runner.parallelize
+
+    def parallelize_and_measure(*args, **kwargs):  # the model is loaded and sharded after it
+        parts = parallelize(*args, **kwargs)
+        loaded["peak"] = _status("VmHWM") - start
+        loaded["anon"] = _status("RssAnon") - anon
+        return parts
+
+    runner.parallelize = parallelize_and_measure
+    _reset_peak()
+    start, anon = _status("VmRSS"), _status("RssAnon")
     runner.run_rank(cfg)
-    return {"grown_bytes": _rss() - start}
+    return {"loaded_bytes": loaded["peak"], "loaded_anon_bytes": loaded["anon"],
+            "step_bytes": _status("VmHWM") - start}
 
 
 def measure(ckpt: str, nproc: int, eager: bool) -> list[int]:
@@ -61,7 +82,7 @@ def measure(ckpt: str, nproc: int, eager: bool) -> list[int]:
                        "trainer.seq_len=32", "data=synthetic", "data.num_sequences=16",
                        "data.vocab_size=256"], output_dir=tempfile.mkdtemp())
     results = run_on_local_ranks(rank_entry, nproc, cfg, eager, name="hostmem")
-    return [results[r]["grown_bytes"] for r in sorted(results)]
+    return [results[r] for r in sorted(results)]
 
 
 def main(argv=None) -> None:
@@ -89,15 +110,23 @@ def main(argv=None) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     rows = []
     print(f"model: {n_params / 1e6:.0f}M parameters, {full / 1e9:.2f} GB in fp32\n")
-    print(f"{'ranks':>5}  {'side':<10} {'per-rank growth (GB)':<32} {'sum (GB)':>8} {'/full':>6}")
+    print("per rank, after its imports: peak resident memory growth through loading and "
+          "sharding the model (loaded; file pages of the checkpoint included), the anonymous "
+          "memory it then holds (anon: weights copied out of the file), and the peak growth "
+          "through one training step (step)")
+    print(f"{'ranks':>5}  {'side':<10} {'loaded per rank (GB)':<28} {'sum':>6} {'/full':>6}"
+          f"  {'anon sum':>8}  {'step sum':>8}")
     for nproc in args.ranks:
         for eager in (True, False):
-            grown = measure(ckpt, nproc, eager)
+            ranks = measure(ckpt, nproc, eager)
             side = "before" if eager else "automodel"
-            per = " ".join(f"{g / 1e9:.2f}" for g in grown)
-            print(f"{nproc:>5}  {side:<10} {per:<32} {sum(grown) / 1e9:>8.2f} "
-                  f"{sum(grown) / full:>6.2f}")
-            rows.append({"ranks": nproc, "side": side, "per_rank_bytes": grown,
+            loaded = [r["loaded_bytes"] for r in ranks]
+            step = sum(r["step_bytes"] for r in ranks)
+            anon = sum(r["loaded_anon_bytes"] for r in ranks)
+            per = " ".join(f"{g / 1e9:.2f}" for g in loaded)
+            print(f"{nproc:>5}  {side:<10} {per:<28} {sum(loaded) / 1e9:>6.2f} "
+                  f"{sum(loaded) / full:>6.2f}  {anon / 1e9:>8.2f}  {step / 1e9:>8.2f}")
+            rows.append({"ranks": nproc, "side": side, "per_rank": ranks,
                          "full_model_bytes": full})
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
