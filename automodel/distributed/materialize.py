@@ -24,7 +24,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from automodel.config.schema import ModelConfig
 
@@ -60,6 +61,70 @@ def full_initial_state(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
 
     model = build_model(cfg, seed)
     return {**model.state_dict(), **dict(model.named_buffers())}
+
+
+def safetensors_files(path: str) -> dict[str, str] | None:
+    """Tensor name -> file of a safetensors checkpoint directory (single file or index), or
+    None when it has no safetensors."""
+    import json
+    import os
+
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            return {k: os.path.join(path, v) for k, v in json.load(f)["weight_map"].items()}
+    single = os.path.join(path, "model.safetensors")
+    if not os.path.isfile(single):
+        return None
+    from safetensors import safe_open
+
+    with safe_open(single, framework="pt") as f:
+        return {k: single for k in f.keys()}
+
+
+def _local_window(target: DTensor, shape) -> tuple | None:
+    """The slice of the full tensor this rank's shard holds, when it is one block."""
+    if not all(type(p) in (Shard, Replicate) for p in target.placements):
+        return None  # e.g. FSDP2 over TP (strided shards): read whole, keep the slice
+    local, offset = compute_local_shape_and_global_offset(shape, target.device_mesh,
+                                                          target.placements)
+    return tuple(slice(o, o + n) for o, n in zip(offset, local))
+
+
+@torch.no_grad()
+def load_slices(parts: list[nn.Module], device: torch.device, files: dict[str, str]) -> None:
+    """Fill ``parts`` (built on meta, already sharded) from a safetensors checkpoint, each rank
+    reading only the slices its shards hold (the files are memory-mapped: no full copy of the
+    model, nothing broadcast). Buffers keep the values the meta build computed (on the host).
+    Not collective."""
+    from safetensors import safe_open
+
+    buffers = {n: b.detach().clone() for part in parts
+               for n, b in part.named_buffers(remove_duplicate=False) if not b.is_meta}
+    for part in parts:
+        part.to_empty(device=device)
+    for part in parts:
+        for name, b in part.named_buffers(remove_duplicate=False):
+            if name in buffers:
+                b.copy_(buffers[name])
+    by_object: dict[int, list[str]] = {}
+    params = [(_clean(n), p) for part in parts
+              for n, p in part.named_parameters(remove_duplicate=False)]
+    for name, p in params:
+        by_object.setdefault(id(p), []).append(name)
+    handles: dict[str, object] = {}
+    for name, p in params:
+        key = next((k for k in [name, *by_object[id(p)]] if k in files), None)
+        if key is None:  # (a tied weight is stored under one of its names)
+            raise ValueError(f"the checkpoint has no tensor {name!r}")
+        if files[key] not in handles:
+            handles[files[key]] = safe_open(files[key], framework="pt")
+        stored = handles[files[key]].get_slice(key)
+        window = _local_window(p, stored.get_shape()) if isinstance(p, DTensor) else None
+        if window is not None:
+            p._local_tensor.copy_(stored[window])
+        else:
+            _fill(p, stored[:].to(p.dtype))
 
 
 def materialize(parts: list[nn.Module], device: torch.device,

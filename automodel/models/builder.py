@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -19,12 +21,32 @@ def hf_config(cfg: ModelConfig):
     return AutoConfig.for_model(**cfg.config)
 
 
+@contextlib.contextmanager
+def _parameters_on_meta():
+    """Every parameter registered meanwhile moves to the meta device as it is registered
+    (allocated empty, never initialized); buffers stay real."""
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module, name, param):
+        register(module, name, param)
+        if param is not None and not param.is_meta:
+            module._parameters[name] = nn.Parameter(param.to("meta"),
+                                                    requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
 def build_meta_model(cfg: ModelConfig) -> nn.Module:
-    """The model's structure without weights (meta device): checks before launch, and every
-    rank's starting point (``automodel.distributed.materialize``)."""
+    """The model's structure without weights: parameters on the meta device, buffers (rotary
+    frequencies and the like, computed from the config) on the host. For checks before launch,
+    and every rank's starting point (``automodel.distributed.materialize``)."""
     from transformers import AutoModelForCausalLM
 
-    with torch.device("meta"):
+    with _parameters_on_meta():
         model = AutoModelForCausalLM.from_config(hf_config(cfg), dtype=getattr(torch, cfg.dtype))
     model.config.use_cache = False  # as build_model
     return model

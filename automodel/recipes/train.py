@@ -25,7 +25,12 @@ from automodel.distributed.init import (
     init_distributed,
     set_collective_timeout,
 )
-from automodel.distributed.materialize import full_initial_state, materialize
+from automodel.distributed.materialize import (
+    full_initial_state,
+    load_slices,
+    materialize,
+    safetensors_files,
+)
 from automodel.distributed.mesh import MeshAxis, build_mesh
 from automodel.distributed.patches import patch_is_packed_sequence
 from automodel.distributed.setup import DistributedSetup
@@ -209,14 +214,22 @@ def _startup_timeout(info: DistInfo):
 
 def _initial_model(cfg: TrainConfig, info: DistInfo):
     """(model, materialize). With a process group every rank builds the model on the meta
-    device and ``parallelize`` materializes only its shards, filled from rank 0's one full
-    copy; a lone process builds the real model directly."""
+    device and ``parallelize`` materializes only its shards: read as slices from a pretrained
+    safetensors checkpoint by every rank, or else filled from rank 0's one full copy (from
+    config with the seed, or another checkpoint format). A lone process builds the real model
+    directly."""
     seed = cfg.trainer.seed
     if not dist.is_initialized():
         return build_model(cfg.model, seed).to(info.device), None
+    files = (safetensors_files(cfg.model.pretrained_path) if cfg.model.pretrained_path
+             else None)
 
     def fill(parts):
-        materialize(parts, info.device, lambda: full_initial_state(cfg.model, seed))
+        if files is not None:
+            load_slices(parts, info.device, files)
+            torch.manual_seed(seed)  # (as build_model leaves it)
+        else:
+            materialize(parts, info.device, lambda: full_initial_state(cfg.model, seed))
 
     return build_meta_model(cfg.model), fill
 
