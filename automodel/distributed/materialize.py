@@ -1,20 +1,23 @@
 """Meta-device construction: shard first, then allocate only this rank's slices and fill them.
 
-Every rank builds the model on the meta device (no memory), and ``parallelize`` splits it into
-stages and applies TP/FSDP2 there. Then ``materialize`` allocates this rank's shards on its
-device (``to_empty``) and fills them from one full copy of the initial weights that rank 0
-alone builds on the host (from config with the run's seed, or ``from_pretrained``): rank 0
-broadcasts one tensor at a time and every rank keeps the slices its shards cover.
+Every rank builds the model with its parameters on the meta device (no memory; buffers such
+as rotary frequencies are computed for real), and ``parallelize`` splits it into stages and
+applies TP/FSDP2 there. Then this rank's shards are allocated on its device (``to_empty``) and
+filled, one of two ways:
 
-Why rank 0 broadcasting rather than each rank reading its slices of the safetensors files:
-initial weights from config must be bit-identical to a single-process run of the same seed,
-which only a full, sequential initialization gives; and a pretrained checkpoint may be in any
-format ``from_pretrained`` understands (bin, safetensors, sharded, tied keys dropped). The cost
-is one full copy in rank 0's host memory (the node's host holds at most one) and the model's
-bytes broadcast once over the job; each accelerator holds one full tensor at a time.
-Buffers (also the non-persistent ones, such as rotary frequencies) travel the same way, and
-rank 0's random-number state after initialization is given to every rank, as if each had
-built the model itself.
+- ``load_slices``: from a pretrained safetensors checkpoint, every rank reads only the slices
+  its shards hold from the memory-mapped files. Nothing is broadcast and no full copy exists
+  anywhere (the page cache holds the files once per node).
+- ``materialize``: otherwise (from config, or a checkpoint in another format) rank 0 alone
+  builds the whole model on the host (from config with the run's seed, or
+  ``from_pretrained``) and broadcasts one tensor at a time; every rank keeps its slices.
+  Initial weights from config must be bit-identical to a single-process run of the same seed,
+  which only a full, sequential initialization gives. The cost: one full copy in rank 0's host
+  memory (the node's host holds at most one), the model's bytes broadcast once, and one full
+  tensor in flight on each rank. Buffers travel the same way, and rank 0's random-number state
+  after initialization is given to every rank, as if each had built the model itself.
+
+``benchmarks/host_memory.py`` measures both against every rank loading the whole model.
 """
 
 from __future__ import annotations
