@@ -4,9 +4,8 @@ faked: its GPU count is a probe (tests/conftest.py makes it 0 for every other te
 
 import pytest
 
-from automodel.api import load_config
-from automodel.config.build import ConfigError
 from automodel.launch.env import detect_launch_env, nvidia_device_files, visible_gpu_count
+from tests.config.test_resolve import cfg, error
 
 # fast: no process, no process group (pytest -m fast)
 pytestmark = pytest.mark.fast
@@ -23,16 +22,6 @@ def machine(monkeypatch):
     def set_gpus(n: int):
         monkeypatch.setattr("automodel.launch.env.gpu_device_probe", lambda: n)
     return set_gpus
-
-
-def cfg(*overrides, env=None):
-    return load_config(list(overrides), env=env or {})
-
-
-def error(*overrides, env=None) -> str:
-    with pytest.raises(ConfigError) as info:
-        cfg(*overrides, env=env)
-    return str(info.value)
 
 
 def ranks(c) -> tuple:
