@@ -82,9 +82,10 @@ def test_fsdp2_ranks_hold_only_their_shards_and_only_rank0_builds_the_model(tmp_
         assert r["local"] <= r["full"] / 4 * 1.02, (rank, r["local"], r["full"])
     # host memory: a non-zero rank gains its shard (110 MB), one full tensor in flight (the
     # 67 MB embedding) and its slice of it (measured: ~220 MB), never a full copy: building
-    # the model itself, as every rank did before, costs 440 MB + the shard (>= 1.25x)
+    # the model itself, as every rank did before, costs 440 MB + the shard (>= 1.25x); the
+    # bound leaves room for other allocators' habits
     for rank, r in enumerate(results[1:], start=1):
-        assert r["grown"] < 0.6 * full_bytes, (rank, r["grown"] / 1e6)
+        assert r["grown"] < 0.9 * full_bytes, (rank, r["grown"] / 1e6)
     assert results[0]["grown"] < 1.8 * full_bytes, results[0]["grown"] / 1e6
 
 
