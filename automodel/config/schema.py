@@ -2,7 +2,7 @@
 
 Hydra validates composed configs against these (see ``store.py``); ``resolve.py`` turns the
 composed config into instances of them and checks what spans fields. Field names, types and
-defaults follow ``shared/reference/options.md``. Fields whose values are a union Hydra cannot
+defaults are documented in ``docs/options.md``. Fields whose values are a union Hydra cannot
 express (``bool | "full" | "selective"``, ``"all" | list``, ``_target_`` policies) are ``Any``
 here and are checked in ``resolve.py``.
 """

@@ -146,9 +146,3 @@ class LocalParams(ParallelStyle):
         module.register_forward_hook(post, always_call=True)
         return module
 
-
-class KeepWhole(ParallelStyle):
-    """``replicate``: every rank keeps the whole module (no sharding, no hooks)."""
-
-    def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
-        return module

@@ -86,8 +86,9 @@ def build_setup(cfg: TrainConfig, info: DistInfo) -> DistributedSetup:
     mesh = None
     if dist.is_initialized():
         m = cfg.mesh
-        startup_minutes = info.startup_timeout.total_seconds() / 60
-        mesh = build_mesh(info.device.type, info.backend, startup_minutes,
+        # groups start with the start-up timeout; set_collective_timeout lowers it later
+        mesh = build_mesh(info.device.type, info.backend,
+                          info.startup_timeout.total_seconds() / 60,
                           pp=m.pp_size, dp_replicate=m.dp_replicate_size,
                           dp_shard=m.dp_size // m.dp_replicate_size, cp=m.cp_size, tp=m.tp_size)
     return DistributedSetup(
@@ -112,11 +113,11 @@ def _train(cfg: TrainConfig, info: DistInfo, output_dir: str) -> list[dict]:
     setup = build_setup(cfg, info)
     if getattr(cfg.parallelism, "patch_is_packed_sequence", False):
         patch_is_packed_sequence()
-    model, materialize = _initial_model(cfg, info)
+    model, fill = _initial_model(cfg, info)
     vocab = model.config.vocab_size
     n_params = sum(p.numel() for p in model.parameters())
     model_config = model.config.to_dict()
-    parallel = parallelize(model, setup, materialize)
+    parallel = parallelize(model, setup, fill)
     model = parallel.parts[0]
     optimizer = Optimizers(parallel.parts, cfg.optim)
     scheduler = Schedulers(optimizer, cfg.optim, cfg.trainer.max_steps)
