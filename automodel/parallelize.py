@@ -7,8 +7,8 @@
     materialize (the model is built on the meta device: this rank's shards are allocated and
     filled only now; before DDP's wrapping, after FSDP2's)
 
-Context and expert parallelism are refused before launch until they land
-(``automodel.launch.support``); their places in the order are fixed here.
+Expert parallelism is refused before launch until it lands (``automodel.launch.support``);
+its place in the order is fixed here.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from torch import nn
 
 from automodel.distributed.activation_checkpointing import apply_ac
 from automodel.distributed.compile import apply_compile
+from automodel.distributed.context_parallel import apply_cp
 from automodel.distributed.ddp import apply_ddp
 from automodel.distributed.fsdp2 import apply_fsdp2, build_policy
 from automodel.distributed.mesh import MeshAxis
@@ -66,6 +67,8 @@ def parallelize(model: nn.Module, setup: DistributedSetup,
             opts = setup.options
             apply_tp(part, setup.mesh[MeshAxis.TP], *tp_plan, blocks, opts.sequence_parallel,
                      opts.enable_async_tensor_parallel, pipeline_stage=setup.pp_enabled)
+        if setup.cp is not None:
+            apply_cp(part, setup.cp)
         ac_blocks = select_blocks(part, setup.activation_checkpointing_scope)
         apply_ac(part, ac_blocks, setup.activation_checkpointing, replace_module)
         if getattr(setup.options, "enable_compile", False):

@@ -13,19 +13,24 @@ class MeshAxis(str, Enum):
     PP = "pp"
     DP_REPLICATE = "dp_replicate"
     DP_SHARD = "dp_shard"
-    CP = "cp"
+    CP_RING = "cp_ring"  # context parallel: ranks exchanging K/V around a ring
+    CP_ULYSSES = "cp_ulysses"  # context parallel: ranks trading sequence for heads
     TP = "tp"
     # flattened views
+    CP = "cp"  # cp_ring x cp_ulysses: ranks holding parts of the same sequences
     DP = "dp"  # dp_replicate x dp_shard: ranks that see different data
     DP_SHARD_CP = "dp_shard_cp"  # FSDP shards parameters over these
     DP_CP = "dp_cp"  # gradients/loss are averaged over these
 
 
-BASE_AXES = (MeshAxis.PP, MeshAxis.DP_REPLICATE, MeshAxis.DP_SHARD, MeshAxis.CP, MeshAxis.TP)
+BASE_AXES = (MeshAxis.PP, MeshAxis.DP_REPLICATE, MeshAxis.DP_SHARD, MeshAxis.CP_RING,
+             MeshAxis.CP_ULYSSES, MeshAxis.TP)
+_CP = (MeshAxis.CP_RING, MeshAxis.CP_ULYSSES)
 FLATTENED = {
     MeshAxis.DP: (MeshAxis.DP_REPLICATE, MeshAxis.DP_SHARD),
-    MeshAxis.DP_SHARD_CP: (MeshAxis.DP_SHARD, MeshAxis.CP),
-    MeshAxis.DP_CP: (MeshAxis.DP_REPLICATE, MeshAxis.DP_SHARD, MeshAxis.CP),
+    MeshAxis.CP: _CP,
+    MeshAxis.DP_SHARD_CP: (MeshAxis.DP_SHARD, *_CP),
+    MeshAxis.DP_CP: (MeshAxis.DP_REPLICATE, MeshAxis.DP_SHARD, *_CP),
 }
 
 
@@ -73,18 +78,24 @@ class MeshContext:
         return self.size(MeshAxis.DP_REPLICATE)
 
     def fsdp_mesh(self) -> DeviceMesh:
-        """1-D shard mesh, or the 2-D (replicate, shard) mesh for HSDP."""
+        """1-D shard mesh, or the 2-D (replicate, shard) mesh for HSDP. Parameters are
+        sharded over the cp ranks too: they hold different tokens of the same samples, so
+        their gradients are reduced like those of data-parallel ranks."""
         if self.dp_replicate_size > 1:
-            return self.device_mesh[(MeshAxis.DP_REPLICATE.value, MeshAxis.DP_SHARD.value)]
+            return self.device_mesh[(MeshAxis.DP_REPLICATE.value, MeshAxis.DP_SHARD_CP.value)]
         return self[MeshAxis.DP_SHARD_CP]
 
 
 def build_mesh(device_type: str, backend: str, timeout_minutes: int, *, pp: int,
-               dp_replicate: int, dp_shard: int, cp: int, tp: int) -> MeshContext:
+               dp_replicate: int, dp_shard: int, cp: int, tp: int,
+               cp_ulysses: int = 1) -> MeshContext:
+    """``cp`` ranks per sequence: ``cp / cp_ulysses`` ring ranks x ``cp_ulysses`` Ulysses
+    ranks (a Ulysses group is contiguous: its all-to-all stays within a node first)."""
+    cp_ring = cp // cp_ulysses
     timeout = datetime.timedelta(minutes=timeout_minutes)
     sizes = {MeshAxis.PP: pp, MeshAxis.DP_REPLICATE: dp_replicate, MeshAxis.DP_SHARD: dp_shard,
-             MeshAxis.CP: cp, MeshAxis.TP: tp}
-    assert dist.get_world_size() == pp * dp_replicate * dp_shard * cp * tp, (
+             MeshAxis.CP_RING: cp_ring, MeshAxis.CP_ULYSSES: cp_ulysses, MeshAxis.TP: tp}
+    assert dist.get_world_size() == pp * dp_replicate * dp_shard * cp_ring * cp_ulysses * tp, (
         "resolve.py guarantees the mesh matches the world size")
     opts = _options(backend, timeout)
     mesh = init_device_mesh(device_type, tuple(sizes[a] for a in BASE_AXES),

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from automodel.config.policies import PolicySpec
+from automodel.distributed.context_parallel import ContextParallel
 from automodel.distributed.init import DistInfo
 from automodel.distributed.mesh import MeshAxis, MeshContext
 
@@ -25,6 +26,11 @@ class DistributedSetup:
     offload_policy: Optional[PolicySpec] = None
     pipeline: Any = None  # PipelineConfig when pp is on
     pre_shard_hook: Optional[Callable[[nn.Module], None]] = None
+    cp: Optional[ContextParallel] = None  # the sequence is split over cp ranks
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp is not None
 
     @property
     def device(self) -> torch.device:
@@ -46,9 +52,16 @@ class DistributedSetup:
         return self.size(MeshAxis.PP) > 1
 
     @property
-    def dp_group(self):
-        """Group over which losses and token counts are summed (None = no group)."""
-        return None if self.mesh is None else self.mesh[MeshAxis.DP].get_group()
+    def loss_group(self):
+        """Ranks holding different tokens of the global batch (data-parallel x context-
+        parallel): losses and token counts are summed over them (None = no group)."""
+        return None if self.mesh is None else self.mesh[MeshAxis.DP_CP].get_group()
+
+    @property
+    def grad_average_size(self) -> int:
+        """The number of ranks DDP/FSDP2 average gradients over (dp x cp); a micro-batch
+        loss is scaled by it so the averaged gradient is the global token mean's."""
+        return self.size(MeshAxis.DP_CP)
 
     @property
     def autocast_dtype(self) -> Optional[torch.dtype]:

@@ -7,7 +7,6 @@ from automodel.config.resolve import TrainConfig
 from automodel.distributed.megatron_fsdp import UNSUPPORTED_REASON
 
 _NOT_YET = {
-    "cp_size": "context parallelism",
     "ep_size": "expert parallelism",
 }
 

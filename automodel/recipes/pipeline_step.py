@@ -24,6 +24,7 @@ from automodel.recipes.step import (
     count_global_tokens,
     full,
     grad_norm_and_clip,
+    sequence_shard,
     to_device,
     unpacked_sequences,
 )
@@ -46,7 +47,9 @@ class PipelineStep:
                                        setup.mesh, setup.dist.timeout)
                      if parallel.tied_embeddings else None)
         self.loss = PipelineLoss(load_loss_fn(p.loss_fn))
-        shapes = (p.pp_seq_len, self._activation_dtype()) if p.pp_seq_len else None
+        # static stage shapes: this rank's share of the sequence under context parallelism
+        shapes = ((p.pp_seq_len // setup.size(MeshAxis.CP), self._activation_dtype())
+                  if p.pp_seq_len else None)
         if setup.autocast_dtype is not None:
             for part in self.parts:
                 _forward_under_autocast(part, setup.device.type, setup.autocast_dtype)
@@ -94,9 +97,11 @@ class PipelineStep:
         setup = self.setup
         inputs = to_device(torch.cat([x for x, _ in micro_batches]), setup.device)
         labels = to_device(torch.cat([y for _, y in micro_batches]), setup.device)
+        # (the stages take the positions of this rank's tokens from ``setup.cp`` themselves)
+        inputs, labels, _ = sequence_shard(inputs, labels, setup)
         global_tokens = count_global_tokens([labels], setup)
         # float64 as a Python float would be; the loss is multiplied by it rounded to float32
-        scale = full(setup.dp_size, setup.device) / global_tokens * (
+        scale = full(setup.grad_average_size, setup.device) / global_tokens * (
             self.n_microbatches if self.scale_in_schedule else 1)
         self.loss.scale = scale.to(torch.float32)
         losses: list = []  # the scaled loss of each micro-batch, on the last stage
@@ -111,7 +116,7 @@ class PipelineStep:
         grad_norm = grad_norm_and_clip(params, max_grad_norm, across_group=self.pp_group,
                                        not_in_norm=not_in_norm)
         # [loss sum, receive-buffer bytes]: summed over pp (only the last stage has the
-        # loss), then the loss over dp
+        # loss), then the loss over dp x cp
         sums = torch.zeros(2, dtype=torch.float64, device=setup.device)
         if losses:
             sums[:1] += torch.stack([x.detach() for x in losses]).sum().to(torch.float64) \
@@ -119,8 +124,8 @@ class PipelineStep:
         sums[1].fill_(float(self.local_recv_buffer_bytes()))  # (a fill: no copy, no sync)
         dist.all_reduce(sums, group=self.pp_group)
         loss_sum = sums[:1]
-        if setup.dp_group is not None:
-            dist.all_reduce(loss_sum, group=setup.dp_group)
+        if setup.loss_group is not None:
+            dist.all_reduce(loss_sum, group=setup.loss_group)
         return StepStats(loss_sum[0] / global_tokens, grad_norm, global_tokens,
                          {"pp_recv_buffer_bytes": sums[1].to(torch.int64)})
 

@@ -2,8 +2,10 @@
 
 The loss of a step is the mean token cross-entropy over the whole global batch (all ranks,
 all micro-batches), so every layout reports the same number for the same data. Each
-micro-batch's backward uses ``sum / global_tokens * dp_size`` because DDP and FSDP2 average
-gradients over the data-parallel ranks.
+micro-batch's backward uses ``sum / global_tokens * (dp * cp)`` because DDP and FSDP2 average
+gradients over the data-parallel and context-parallel ranks (``grad_average_size``). Under
+context parallelism each rank holds its share of every sequence's tokens (``setup.cp``) with
+their global positions.
 
 No host reads: on a GPU each ``.item()``, ``float(t)``, ``.tolist()`` or Python branch on a
 tensor waits until the device has caught up. The step keeps its token count, loss scale,
@@ -155,7 +157,17 @@ def count_global_tokens(labels, setup: DistributedSetup) -> torch.Tensor:
     """Label tokens of the whole global batch (all data-parallel ranks), counted on the device
     from ``labels`` (tensors on ``setup.device``): a 0-dim float64 tensor (exact below 2**53)."""
     local = torch.stack([(y != IGNORE_INDEX).sum() for y in labels]).sum()
-    return _all_reduce_sum(local.to(torch.float64).reshape(1), setup.dp_group)[0]
+    return _all_reduce_sum(local.to(torch.float64).reshape(1), setup.loss_group)[0]
+
+
+def sequence_shard(inputs: torch.Tensor, labels: torch.Tensor, setup: DistributedSetup):
+    """This rank's tokens of a micro-batch and their global positions (full-length positions
+    ``0..L-1`` without context parallelism): (inputs, labels, position_ids)."""
+    cp = setup.cp
+    if cp is None:
+        return inputs, labels, torch.arange(inputs.shape[1], device=inputs.device)
+    return (cp.shard(inputs), cp.shard(labels),
+            cp.positions(inputs.shape[1], inputs.device))
 
 
 def train_step(model, setup: DistributedSetup, micro_batches, max_grad_norm) -> StepStats:
@@ -163,17 +175,18 @@ def train_step(model, setup: DistributedSetup, micro_batches, max_grad_norm) -> 
     caller's. Returns (global mean loss, gradient norm before clipping, global token count)
     as device tensors, the same values on every rank: nothing is read on the host."""
     device = setup.device
-    group = setup.dp_group
-    batches = [(to_device(x, device), to_device(y, device)) for x, y in micro_batches]
-    global_tokens = count_global_tokens([y for _, y in batches], setup)
-    # dp_size / global_tokens in float64 (as a Python float would be), rounded once to the
+    group = setup.loss_group
+    batches = [sequence_shard(to_device(x, device), to_device(y, device), setup)
+               for x, y in micro_batches]
+    global_tokens = count_global_tokens([y for _, y, _ in batches], setup)
+    # (dp * cp) / global_tokens in float64 (as a Python float would be), rounded once to the
     # loss's float32
-    scale = (full(setup.dp_size, device) / global_tokens).to(torch.float32)
+    scale = (full(setup.grad_average_size, device) / global_tokens).to(torch.float32)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    for i, (inputs, labels) in enumerate(batches):
-        # Full-length positions, explicitly: under sequence parallelism a model would
+    for i, (inputs, labels, positions) in enumerate(batches):
+        # Positions explicitly: under sequence or context parallelism a model would
         # otherwise derive them from its local shard of the sequence.
-        positions = torch.arange(inputs.shape[1], device=device).expand_as(inputs)
+        positions = positions.expand_as(inputs)
         try:
             with grad_sync_context(model, setup, i == len(batches) - 1):
                 with autocast_context(setup), unpacked_sequences():

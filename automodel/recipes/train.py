@@ -19,6 +19,7 @@ from automodel.checkpoint.paths import checkpoint_root, complete_checkpoints
 from automodel.config.resolve import TrainConfig
 from automodel.data.batches import BatchPlan
 from automodel.data.sources import token_sequences
+from automodel.distributed.context_parallel import build_context_parallel
 from automodel.distributed.init import (
     DistInfo,
     destroy_distributed,
@@ -90,12 +91,14 @@ def build_setup(cfg: TrainConfig, info: DistInfo) -> DistributedSetup:
         mesh = build_mesh(info.device.type, info.backend,
                           info.startup_timeout.total_seconds() / 60,
                           pp=m.pp_size, dp_replicate=m.dp_replicate_size,
-                          dp_shard=m.dp_size // m.dp_replicate_size, cp=m.cp_size, tp=m.tp_size)
+                          dp_shard=m.dp_size // m.dp_replicate_size, cp=m.cp_size, tp=m.tp_size,
+                          cp_ulysses=m.cp_ulysses_size or 1)
     return DistributedSetup(
         strategy=cfg.strategy, options=cfg.parallelism, dist=info, mesh=mesh,
         activation_checkpointing=cfg.activation_checkpointing,
         activation_checkpointing_scope=cfg.activation_checkpointing_scope,
-        mp_policy=cfg.mp_policy, offload_policy=cfg.offload_policy, pipeline=cfg.pipeline)
+        mp_policy=cfg.mp_policy, offload_policy=cfg.offload_policy, pipeline=cfg.pipeline,
+        cp=build_context_parallel(mesh))
 
 
 def train(cfg: TrainConfig, info: DistInfo) -> list[dict]:
@@ -129,9 +132,10 @@ def _train(cfg: TrainConfig, info: DistInfo, output_dir: str) -> list[dict]:
     micro = (f"{parallel.num_stages} pipeline stages, {pipeline.n_microbatches} micro-batches "
              "per schedule step" if pipeline is not None else
              f"{cfg.grad_accum_steps} micro-batch(es) per rank per step")
-    log.info("automodel: %s on %d rank(s) (dp=%d, tp=%d, pp=%d), %s with %.2fM parameters, "
-             "%d steps of %d x %d tokens, %s; output in %s", cfg.strategy, info.world_size,
-             setup.dp_size, setup.size(MeshAxis.TP), setup.size(MeshAxis.PP),
+    log.info("automodel: %s on %d rank(s) (dp=%d, cp=%d, tp=%d, pp=%d), %s with %.2fM "
+             "parameters, %d steps of %d x %d tokens, %s; output in %s", cfg.strategy,
+             info.world_size, setup.dp_size, setup.size(MeshAxis.CP), setup.size(MeshAxis.TP),
+             setup.size(MeshAxis.PP),
              type(model).__name__, n_params / 1e6, t.max_steps, t.global_batch_size, t.seq_len,
              micro, output_dir)
     faults = Faults(info.rank)

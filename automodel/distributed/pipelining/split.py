@@ -22,6 +22,7 @@ import copy
 import re
 import types
 from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -116,6 +117,9 @@ class StageRole:
     anatomy: Anatomy
     first: bool  # holds the embedding: takes token ids
     last: bool  # holds the final norm and LM head: returns logits
+    # global positions of a stage input's tokens, from its local length (None: 0..L-1;
+    # context parallelism sets its own)
+    positions: Optional[Callable] = None
 
 
 def _stage_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -123,8 +127,9 @@ def _stage_forward(self, x: torch.Tensor) -> torch.Tensor:
     role: StageRole = self._pipeline_role
     base = getattr(self, role.anatomy.base)
     layers = getattr(base, role.anatomy.layers)
-    kwargs = dict(position_ids=torch.arange(x.shape[1], device=x.device).unsqueeze(0),
-                  use_cache=False)
+    positions = (role.positions(x.shape[1], x.device) if role.positions is not None
+                 else torch.arange(x.shape[1], device=x.device))
+    kwargs = dict(position_ids=positions.unsqueeze(0), use_cache=False)
     if role.first:
         kwargs["input_ids"] = x
     else:
