@@ -167,6 +167,14 @@ def _gpus(n: int) -> str:
 def resolve_trainer(t: s.TrainerConfig, mesh: s.MeshConfig) -> s.TrainerConfig:
     for name in ("max_steps", "global_batch_size", "local_batch_size", "seq_len", "log_every"):
         _positive(f"trainer.{name}", getattr(t, name))
+    cp = mesh.cp_size
+    if cp > 1 and t.seq_len % (2 * cp):
+        fit = t.seq_len // (2 * cp) * 2 * cp
+        raise ConfigError(
+            f"trainer.seq_len={t.seq_len} must be divisible by 2 * mesh.cp_size = {2 * cp}: "
+            f"each of the {cp} context-parallel ranks holds two equal chunks of every sequence; "
+            f"use trainer.seq_len={fit or 2 * cp}"
+            + (f" or {fit + 2 * cp}" if fit else ""))
     dp = mesh.dp_size
     local = t.local_batch_size
     if local is None:
@@ -330,8 +338,10 @@ def check_tensor_parallel(par, mesh: s.MeshConfig, model: s.ModelConfig,
         par.sequence_parallel = True
     # What the plan needs of the model's sizes (heads, vocabulary) is checked on the model's
     # own structure before launch: automodel.launch.preflight.
-    if getattr(par, "sequence_parallel", False) and trainer.seq_len % tp:
-        raise ConfigError(f"trainer.seq_len={trainer.seq_len} must be divisible by "
+    cp = mesh.cp_size
+    if getattr(par, "sequence_parallel", False) and (trainer.seq_len // cp) % tp:
+        split = f" / mesh.cp_size={cp} = {trainer.seq_len // cp} per cp rank" if cp > 1 else ""
+        raise ConfigError(f"trainer.seq_len={trainer.seq_len}{split} must be divisible by "
                           f"mesh.tp_size={tp} with parallelism.sequence_parallel=true")
 
 

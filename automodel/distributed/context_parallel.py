@@ -12,10 +12,14 @@ registered here (through transformers' attention interface, so the model's own c
 1. Ulysses (all-to-all inside a ulysses group): each rank trades its sequence shard of all
    heads for the group's sequence of ``heads / ulysses`` heads.
 2. Ring (all-gather over the ring group): every rank's queries get the keys and values of all
-   ranks. Exact, simple, and K/V are the small tensors under grouped-query attention; the
-   backward sums the key/value gradients back to their owners (a reduce-scatter).
-3. Local attention of the queries against all keys with a mask built from global positions
-   (causal, plus a sliding window where the layer has one).
+   ranks, put back in sequence order. Exact, simple, and K/V are the small tensors under
+   grouped-query attention; the backward sums the key/value gradients back to their owners
+   (a reduce-scatter).
+3. Each query chunk attends to the keys up to its own end: earlier chunks in full, its own
+   chunk causally (a lower-right causal block). Keys a query may not see are never touched,
+   so a rank does its share of the causal work and no sequence-by-sequence mask exists. On
+   CUDA the diagonal block is the flash kernel's own causal mode; on CPU, and for sliding
+   windows, a chunk-sized mask is built once and shared by every layer and step.
 4. Ulysses back: the output returns to the sequence shard, all heads.
 
 Pure torch collectives with autograd, so the same code runs on gloo (CPU) and NCCL (CUDA).
@@ -27,7 +31,9 @@ from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 from automodel.distributed.mesh import MeshAxis
 
@@ -109,7 +115,7 @@ class ContextParallel:
     ulysses_rank: int
     ring_group: object = None
     ulysses_group: object = None
-    _index_cache: dict = field(default_factory=dict, repr=False)
+    _index_cache: dict = field(default_factory=dict, repr=False)  # positions, masks
 
     @property
     def size(self) -> int:
@@ -119,20 +125,15 @@ class ContextParallel:
     def rank(self) -> int:
         return self.ring_rank * self.ulysses_size + self.ulysses_rank
 
-    def _chunks(self, cp_rank: int, chunk: int) -> torch.Tensor:
-        first, second = cp_rank, 2 * self.size - 1 - cp_rank
-        return torch.cat([torch.arange(first * chunk, (first + 1) * chunk),
-                          torch.arange(second * chunk, (second + 1) * chunk)])
-
-    def positions(self, seq_len: int, device, ranks=None) -> torch.Tensor:
-        """Global positions of the tokens held by cp ``ranks`` (default: this rank), in the
-        order they are held."""
-        ranks = (self.rank,) if ranks is None else tuple(ranks)
-        key = (seq_len, str(device), ranks)
+    def positions(self, seq_len: int, device) -> torch.Tensor:
+        """Global positions of this rank's tokens of a ``seq_len`` sequence, in order."""
+        key = ("positions", seq_len, str(device))
         if key not in self._index_cache:
             chunk = seq_len // (2 * self.size)
-            index = torch.cat([self._chunks(r, chunk) for r in ranks])
-            self._index_cache[key] = index.to(device)
+            first, second = self.rank, 2 * self.size - 1 - self.rank
+            self._index_cache[key] = torch.cat([
+                torch.arange(first * chunk, (first + 1) * chunk),
+                torch.arange(second * chunk, (second + 1) * chunk)]).to(device)
         return self._index_cache[key]
 
     def shard(self, t: torch.Tensor) -> torch.Tensor:
@@ -142,15 +143,6 @@ class ContextParallel:
     def local_positions(self, local_len: int, device) -> torch.Tensor:
         """Global positions of this rank's ``local_len`` tokens."""
         return self.positions(local_len * self.size, device)
-
-    def query_and_key_positions(self, local_len: int, device):
-        """Global positions of the queries after the Ulysses exchange (this ulysses group's
-        tokens) and of the keys after the ring gather (every cp rank's tokens)."""
-        seq_len = local_len * self.size
-        u = self.ulysses_size
-        group = range(self.ring_rank * u, (self.ring_rank + 1) * u)
-        return (self.positions(seq_len, device, group),
-                self.positions(seq_len, device, range(self.size)))
 
     def attention(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                   value: torch.Tensor, attention_mask, dropout: float = 0.0,
@@ -162,9 +154,6 @@ class ContextParallel:
                 raise NotImplementedError(
                     f"context parallelism (mesh.cp_size={self.size}) does not support "
                     f"{what} ({type(module).__name__}); use mesh.cp_size=1 for this model")
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-        local_len = query.shape[2]
         u = self.ulysses_size
         if u > 1:
             query, key, value = (_heads_to_sequence(t, self.ulysses_group, u)
@@ -172,17 +161,102 @@ class ContextParallel:
         if self.ring_size > 1:
             key = _AllGatherSeq.apply(key, 2, self.ring_group)
             value = _AllGatherSeq.apply(value, 2, self.ring_group)
-        q_pos, k_pos = self.query_and_key_positions(local_len, query.device)
-        allowed = k_pos[None, :] <= q_pos[:, None]
+        groups = getattr(module, "num_key_value_groups", 1)
+        if groups > 1:  # grouped-query attention: each KV head serves `groups` query heads
+            key, value = (t.repeat_interleave(groups, dim=1) for t in (key, value))
+        key, value = self._in_global_order(key), self._in_global_order(value)
         if sliding_window is None:
             sliding_window = getattr(module, "sliding_window", None)
-        if sliding_window is not None:
-            allowed = allowed & (k_pos[None, :] > q_pos[:, None] - sliding_window)
-        out, _ = sdpa_attention_forward(module, query, key, value, allowed[None, None],
-                                        dropout=dropout, scaling=scaling, is_causal=False)
+        out = self._chunked_causal(query, key, value, dropout, scaling, sliding_window)
+        out = out.transpose(1, 2)  # [B, S, H, D]
         if u > 1:
             out = _sequence_to_heads(out, self.ulysses_group, u)
-        return out, None
+        return out.contiguous(), None
+
+    def _query_chunks(self) -> list[int]:
+        """Global chunk indices of the queries after the Ulysses exchange, in order."""
+        u, n = self.ulysses_size, 2 * self.size
+        return [c for r in range(self.ring_rank * u, (self.ring_rank + 1) * u)
+                for c in (r, n - 1 - r)]
+
+    def _in_global_order(self, t: torch.Tensor) -> torch.Tensor:
+        """Gathered keys/values [B, H, 2*cp*chunk, D] (rank order: each rank's two chunks)
+        -> global sequence order."""
+        b, h, total, d = t.shape
+        n = 2 * self.size
+        order = [2 * c if c < self.size else 2 * (n - 1 - c) + 1 for c in range(n)]
+        index = torch.tensor(order, device=t.device)
+        return t.reshape(b, h, n, total // n, d).index_select(2, index).reshape(b, h, total, d)
+
+    def _chunked_causal(self, query, key, value, dropout, scaling, window):
+        """Each query chunk against the keys before it: no key that the causal mask hides is
+        ever multiplied. The diagonal block is causal aligned to its lower right; on CUDA
+        that is the flash kernel's own causal mode (no mask tensor); elsewhere, and for
+        sliding windows, a mask shared by every layer and step."""
+        n = 2 * self.size
+        chunk = key.shape[2] // n
+        outs = []
+        for i, c in enumerate(self._query_chunks()):
+            q = query[:, :, i * chunk:(i + 1) * chunk]
+            end = (c + 1) * chunk
+            start = 0 if window is None else max(0, c * chunk - window + 1)
+            mask = self._mask(chunk, start, end, window, query)
+            outs.append(F.scaled_dot_product_attention(
+                q, key[:, :, start:end], value[:, :, start:end], attn_mask=mask,
+                dropout_p=dropout, scale=scaling))
+        return torch.cat(outs, dim=2)
+
+    def _mask(self, chunk: int, start: int, end: int, window, like: torch.Tensor):
+        """Which keys [start, end) the last ``chunk`` queries (positions end-chunk..end-1)
+        see: causal, and within ``window`` when set."""
+        if window is None and like.device.type == "cuda":
+            return causal_lower_right(chunk, end - start)
+        key = ("mask", chunk, start, end, window, str(like.device), like.dtype)
+        if key not in self._index_cache:
+            q_pos = torch.arange(end - chunk, end, device=like.device)[:, None]
+            k_pos = torch.arange(start, end, device=like.device)[None, :]
+            allowed = k_pos <= q_pos
+            if window is not None:
+                allowed &= k_pos > q_pos - window
+            mask = torch.zeros(allowed.shape, dtype=like.dtype, device=like.device)
+            self._index_cache[key] = mask.masked_fill_(~allowed, float("-inf"))
+        return self._index_cache[key]
+
+
+def check_model(model: nn.Module, cp: int, ulysses: int, tp_heads: int) -> None:
+    """Raise ``ValueError`` if the model's attention cannot be split this way: its heads
+    (after ``tp_heads``-way tensor parallelism) over the Ulysses ranks, or a feature the
+    exchange does not reproduce. Run before launch on the meta model."""
+    cfg = model.config
+    where = f"mesh.cp_size={cp}"
+    if getattr(cfg, "attn_logit_softcapping", None) is not None:
+        raise ValueError(f"{where}: context parallelism does not support attention logit "
+                         f"soft-capping (model.config.attn_logit_softcapping="
+                         f"{cfg.attn_logit_softcapping}); use mesh.cp_size=1 for this model")
+    if not getattr(cfg, "is_causal", True):
+        raise ValueError(f"{where}: context parallelism supports causal attention only "
+                         "(model.config.is_causal=false); use mesh.cp_size=1")
+    sinks = [n for n, _ in model.named_parameters() if n.rsplit(".", 1)[-1] in ("sinks", "s_aux")]
+    if sinks:
+        raise ValueError(f"{where}: context parallelism does not support attention sinks "
+                         f"({sinks[0]}); use mesh.cp_size=1 for this model")
+    if not model._can_set_attn_implementation():
+        raise ValueError(f"{where}: {type(model).__name__} does not run its attention through "
+                         "transformers' attention interface, which context parallelism "
+                         "replaces; use mesh.cp_size=1 for this model")
+    if ulysses == 1:
+        return
+    heads = cfg.num_attention_heads
+    for key in ("num_attention_heads", "num_key_value_heads"):
+        value = getattr(cfg, key, None) or heads
+        local = value // tp_heads
+        if local % ulysses:
+            split = (f" / mesh.tp_size={tp_heads} = {local} per TP rank" if tp_heads > 1
+                     else "")
+            raise ValueError(
+                f"mesh.cp_ulysses_size={ulysses} must divide the attention heads: the model "
+                f"has {key}={value}{split}; choose a cp_ulysses_size that divides {local} "
+                "(the rest of mesh.cp_size runs as ring)")
 
 
 def build_context_parallel(mesh) -> ContextParallel | None:

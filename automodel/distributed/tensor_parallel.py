@@ -115,12 +115,16 @@ def expand_plan(model: nn.Module, plan: dict, source: str,
     return concrete
 
 
+def splits_heads(concrete: dict[str, str]) -> bool:
+    """Whether a resolved plan splits attention heads over the TP ranks (q/k/v colwise)."""
+    return any(style == "colwise" and fqn.rsplit(".", 1)[-1] in _HEAD_PROJECTIONS
+               for fqn, style in concrete.items())
+
+
 def check_divisibility(model: nn.Module, concrete: dict[str, str], tp: int) -> None:
     """What the plan needs of the model's sizes: heads split by TP, a vocabulary split."""
     cfg = model.config
-    splits_heads = any(style == "colwise" and fqn.rsplit(".", 1)[-1] in _HEAD_PROJECTIONS
-                       for fqn, style in concrete.items())
-    if splits_heads:
+    if splits_heads(concrete):
         for key in ("num_attention_heads", "num_key_value_heads"):
             value = getattr(cfg, key, None)
             if isinstance(value, int) and value % tp:

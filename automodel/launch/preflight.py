@@ -13,12 +13,19 @@ from automodel.config.resolve import TrainConfig
 
 
 def check_model_layout(cfg: TrainConfig) -> None:
-    """Raise ``ConfigError`` for a TP plan or pipeline split the model cannot take."""
-    if cfg.mesh.tp_size == 1 and cfg.mesh.pp_size == 1:
+    """Raise ``ConfigError`` for a TP plan, context-parallel split or pipeline split the model
+    cannot take."""
+    m = cfg.mesh
+    if m.tp_size == 1 and m.pp_size == 1 and m.cp_size == 1:
         return
     from automodel.config.validate_pipeline import check_pipeline_model
+    from automodel.distributed import context_parallel
     from automodel.distributed.pipelining.split import contents_from_fqns
-    from automodel.distributed.tensor_parallel import check_divisibility, expand_plan
+    from automodel.distributed.tensor_parallel import (
+        check_divisibility,
+        expand_plan,
+        splits_heads,
+    )
     from automodel.models.anatomy import find_anatomy
     from automodel.models.builder import build_meta_model
     from automodel.models.tp_plans import select_tp_plan
@@ -29,9 +36,14 @@ def check_model_layout(cfg: TrainConfig) -> None:
         raise ConfigError(f"model: cannot build {_which(cfg)}: {type(err).__name__}: "
                           f"{err}") from None
     try:
-        if cfg.mesh.tp_size > 1:
+        tp_heads = 1
+        if m.tp_size > 1:
             plan, source = select_tp_plan(model, getattr(cfg.parallelism, "tp_plan", None))
-            check_divisibility(model, expand_plan(model, plan, source), cfg.mesh.tp_size)
+            concrete = expand_plan(model, plan, source)
+            check_divisibility(model, concrete, m.tp_size)
+            tp_heads = m.tp_size if splits_heads(concrete) else 1
+        if m.cp_size > 1:
+            context_parallel.check_model(model, m.cp_size, m.cp_ulysses_size or 1, tp_heads)
         if cfg.pipeline is not None:
             anatomy = find_anatomy(model)
             check_pipeline_model(cfg.pipeline, cfg.mesh, cfg.model, cfg.trainer,

@@ -13,6 +13,15 @@ from tests.cli.test_cli import run
     (["mesh.tp_size=2", "model.config.vocab_size=257"], "vocab_size=257"),
     (["mesh.tp_size=2", "model.config.model_type=qwen3_moe", "+model.config.num_experts=4"],
      "tensor-parallel expert layers"),
+    # context parallelism: what the exchange cannot split, named
+    (["mesh.cp_size=2", "model=gemma2_tiny"], "does not support attention logit soft-capping"),
+    (["mesh.cp_size=2", "model=granite_swa_tiny"],
+     "does not support attention sinks (model.layers.0.self_attn.sinks)"),
+    (["mesh.cp_size=2", "mesh.cp_ulysses_size=2", "mesh.tp_size=2"],
+     "num_key_value_heads=2 / mesh.tp_size=2 = 1 per TP rank"),
+    (["mesh.cp_size=8", "mesh.cp_ulysses_size=8"],
+     "mesh.cp_ulysses_size=8 must divide the attention heads: the model has "
+     "num_attention_heads=4"),
 ])
 def test_tp_rule_on_the_model_structure_fails_before_any_rank(args, expected, tmp_path):
     # checked on a meta-device copy of the model (torch is imported, no weights, no ranks)

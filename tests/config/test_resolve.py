@@ -103,6 +103,21 @@ def test_cp_ulysses_must_divide_cp():
     assert "mesh.cp_ulysses_size=3" in msg
 
 
+@pytest.mark.parametrize("cp,seq_len,fits", [(2, 30, "28 or 32"), (4, 36, "32 or 40"),
+                                             (4, 6, "8")])
+def test_context_parallel_needs_two_equal_chunks_per_rank(cp, seq_len, fits):
+    msg = error("parallelism=fsdp2", f"mesh.cp_size={cp}", f"trainer.seq_len={seq_len}")
+    assert (f"trainer.seq_len={seq_len} must be divisible by 2 * mesh.cp_size = {2 * cp}" in msg
+            and f"use trainer.seq_len={fits}" in msg)
+
+
+def test_context_parallel_with_sequence_parallel_splits_each_ranks_tokens_by_tp():
+    # 24 tokens: 12 per cp rank, not divisible by tp=8 (24 itself is divisible by 2*cp)
+    msg = error("parallelism=fsdp2", "mesh.cp_size=2", "mesh.tp_size=8", "trainer.seq_len=24",
+                "parallelism.sequence_parallel=true")
+    assert "trainer.seq_len=24 / mesh.cp_size=2 = 12 per cp rank" in msg and "tp_size=8" in msg
+
+
 def test_ep_must_divide_dp_cp_tp():
     msg = error("parallelism=fsdp2", "mesh.ep_size=3", "distributed.nproc_per_node=2")
     assert "mesh.ep_size=3" in msg
