@@ -7,8 +7,8 @@
     materialize (the model is built on the meta device: this rank's shards are allocated and
     filled only now; before DDP's wrapping, after FSDP2's)
 
-Expert parallelism is refused before launch until it lands (``automodel.launch.support``);
-its place in the order is fixed here.
+Expert parallelism's experts are FSDP2-sharded on their own mesh (``ep_shard``), before
+their block.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from automodel.distributed.activation_checkpointing import apply_ac
 from automodel.distributed.compile import apply_compile
 from automodel.distributed.context_parallel import apply_cp
 from automodel.distributed.ddp import apply_ddp
+from automodel.distributed.expert_parallel import apply_ep
 from automodel.distributed.fsdp2 import apply_fsdp2, build_policy
 from automodel.distributed.mesh import MeshAxis
 from automodel.distributed.pipelining.split import ties_embeddings
@@ -69,25 +70,31 @@ def parallelize(model: nn.Module, setup: DistributedSetup,
                      opts.enable_async_tensor_parallel, pipeline_stage=setup.pp_enabled)
         if setup.cp is not None:
             apply_cp(part, setup.cp)
+        experts = apply_ep(part, setup.mesh.moe["ep"]) if setup.ep_enabled else []
         ac_blocks = select_blocks(part, setup.activation_checkpointing_scope)
         apply_ac(part, ac_blocks, setup.activation_checkpointing, replace_module)
         if getattr(setup.options, "enable_compile", False):
             apply_compile(part, blocks)
         if materialize is not None and setup.strategy != "fsdp2":
             materialize([part])
-        result.append(apply_data_parallel(part, blocks, setup))
+        result.append(apply_data_parallel(part, blocks, setup, experts))
     if materialize is not None and setup.strategy == "fsdp2":
         materialize(result)  # every part at once: one pass over the weights
     return ModelParts(result, stage_ids, num_stages, tied)
 
 
-def apply_data_parallel(part: nn.Module, blocks: list[str], setup: DistributedSetup) -> nn.Module:
+def apply_data_parallel(part: nn.Module, blocks: list[str], setup: DistributedSetup,
+                        experts: list) -> nn.Module:
     if setup.strategy == "ddp":
         return apply_ddp(part, setup.mesh[MeshAxis.DP], setup.options, setup.device)
     if setup.strategy == "fsdp2":
+        moe = None
+        if experts:  # the experts' own FSDP2 mesh: sharded over ep_shard, or replicated
+            dims = "ep_shard" if setup.options.moe.shard_experts else ("ep_shard", "ep_unit")
+            moe = (experts, setup.mesh.moe[dims])
         apply_fsdp2(part, blocks, setup.mesh.fsdp_mesh(), setup.options,
                     build_policy(setup.mp_policy, setup.device),
-                    build_policy(setup.offload_policy, setup.device), setup.pp_enabled)
+                    build_policy(setup.offload_policy, setup.device), setup.pp_enabled, moe)
         return part
     assert setup.strategy == "none", f"strategy {setup.strategy} is refused before launch"
     return part

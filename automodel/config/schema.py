@@ -76,6 +76,14 @@ class MultimodalConfig:
 
 
 @dataclass
+class MoEConfig:
+    """``parallelism.moe``: the experts' own FSDP2 units under expert parallelism."""
+
+    shard_experts: bool = True  # FSDP-shard each ep rank's experts over ep_shard
+    reshard_after_forward: Optional[bool] = None  # null = as the experts' block
+
+
+@dataclass
 class FSDP2Config(CommonOptions):
     """``parallelism=fsdp2`` (HSDP when ``mesh.dp_replicate_size`` > 1)."""
 
@@ -90,6 +98,7 @@ class FSDP2Config(CommonOptions):
     mp_policy: Any = None  # {_target_: torch.distributed.fsdp.MixedPrecisionPolicy, ...} | null
     offload_policy: Any = None  # {_target_: torch.distributed.fsdp.CPUOffloadPolicy, ...} | null
     multimodal: MultimodalConfig = field(default_factory=MultimodalConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
 
 
 @dataclass

@@ -115,11 +115,17 @@ class ContextParallel:
     ulysses_rank: int
     ring_group: object = None
     ulysses_group: object = None
+    cp_group: object = None
     _index_cache: dict = field(default_factory=dict, repr=False)  # positions, masks
 
     @property
     def size(self) -> int:
         return self.ring_size * self.ulysses_size
+
+    @property
+    def group(self):
+        """All cp ranks of this rank's sequences (set by ``build_context_parallel``)."""
+        return self.cp_group
 
     @property
     def rank(self) -> int:
@@ -184,8 +190,11 @@ class ContextParallel:
         -> global sequence order."""
         b, h, total, d = t.shape
         n = 2 * self.size
-        order = [2 * c if c < self.size else 2 * (n - 1 - c) + 1 for c in range(n)]
-        index = torch.tensor(order, device=t.device)
+        key = ("order", str(t.device))
+        if key not in self._index_cache:  # (made once: no host-to-device copy per layer)
+            order = [2 * c if c < self.size else 2 * (n - 1 - c) + 1 for c in range(n)]
+            self._index_cache[key] = torch.tensor(order, device=t.device)
+        index = self._index_cache[key]
         return t.reshape(b, h, n, total // n, d).index_select(2, index).reshape(b, h, total, d)
 
     def _chunked_causal(self, query, key, value, dropout, scaling, window):
@@ -266,7 +275,8 @@ def build_context_parallel(mesh) -> ContextParallel | None:
     ring, uly = mesh[MeshAxis.CP_RING], mesh[MeshAxis.CP_ULYSSES]
     return ContextParallel(ring.size(), uly.size(), ring.get_local_rank(), uly.get_local_rank(),
                            ring.get_group() if ring.size() > 1 else None,
-                           uly.get_group() if uly.size() > 1 else None)
+                           uly.get_group() if uly.size() > 1 else None,
+                           mesh[MeshAxis.CP].get_group())
 
 
 def _no_mask(*args, **kwargs):

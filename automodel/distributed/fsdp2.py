@@ -50,15 +50,24 @@ def reshard_after_forward_for(index: int, num_blocks: int, opts: FSDP2Config,
 
 def apply_fsdp2(model: nn.Module, block_fqns: list[str], mesh: DeviceMesh, opts: FSDP2Config,
                 mp_policy: MixedPrecisionPolicy, offload_policy,
-                pp_enabled: bool = False) -> list[nn.Module]:
-    """Shard every block, then the root. Returns the sharded blocks in forward order."""
+                pp_enabled: bool = False, experts=None) -> list[nn.Module]:
+    """Shard every block, then the root. Returns the sharded blocks in forward order.
+
+    ``experts`` (expert parallelism): (experts modules, their mesh); each is sharded on its
+    own, before its block, over that mesh (``parallelism.moe`` sets how)."""
     common = {"mesh": mesh, "mp_policy": mp_policy,
               "offload_policy": offload_policy or OffloadPolicy()}
+    expert_modules, expert_mesh = experts or ([], None)
     blocks = []
     for i, fqn in enumerate(block_fqns):
         block = model.get_submodule(fqn)
-        fully_shard(block, reshard_after_forward=reshard_after_forward_for(
-            i, len(block_fqns), opts, pp_enabled), **common)
+        reshard = reshard_after_forward_for(i, len(block_fqns), opts, pp_enabled)
+        for module in expert_modules:
+            if any(m is module for m in block.modules()):
+                own = opts.moe.reshard_after_forward
+                fully_shard(module, reshard_after_forward=reshard if own is None else own,
+                            **{**common, "mesh": expert_mesh})
+        fully_shard(block, reshard_after_forward=reshard, **common)
         blocks.append(block)
     root_reshard = (opts.reshard_after_forward if opts.reshard_after_forward is not None
                     else (not pp_enabled))

@@ -49,9 +49,11 @@ def _options(backend: str, timeout: datetime.timedelta):
 class MeshContext:
     """Owns the DeviceMesh and its flattened views. Sizes come from the mesh itself."""
 
-    def __init__(self, device_mesh: DeviceMesh, flattened: dict):
+    def __init__(self, device_mesh: DeviceMesh, flattened: dict,
+                 moe: DeviceMesh | None = None):
         self.device_mesh = device_mesh
         self._flattened = flattened
+        self.moe = moe  # (pp, ep_shard, ep_unit, ep): the MoE mesh under expert parallelism
 
     def __getitem__(self, axis: MeshAxis) -> DeviceMesh:
         axis = MeshAxis(axis)
@@ -88,7 +90,7 @@ class MeshContext:
 
 def build_mesh(device_type: str, backend: str, timeout_minutes: int, *, pp: int,
                dp_replicate: int, dp_shard: int, cp: int, tp: int,
-               cp_ulysses: int = 1) -> MeshContext:
+               cp_ulysses: int = 1, ep: int = 1) -> MeshContext:
     """``cp`` ranks per sequence: ``cp / cp_ulysses`` ring ranks x ``cp_ulysses`` Ulysses
     ranks (a Ulysses group is contiguous: its all-to-all stays within a node first)."""
     cp_ring = cp // cp_ulysses
@@ -104,4 +106,12 @@ def build_mesh(device_type: str, backend: str, timeout_minutes: int, *, pp: int,
     flattened = {name: mesh[tuple(a.value for a in parts)]._flatten(name.value,
                                                                     backend_override=opts)
                  for name, parts in FLATTENED.items()}
-    return MeshContext(mesh, flattened)
+    moe = None
+    if ep > 1:  # the dp x cp x tp ranks of each stage regrouped as ep_shard x ep
+        per_stage = dp_replicate * dp_shard * cp * tp
+        # ep_unit (size 1): the shard dim of an (ep_shard, ep_unit) mesh that replicates the
+        # experts over ep_shard instead of sharding them (parallelism.moe.shard_experts=false)
+        names = ("pp", "ep_shard", "ep_unit", "ep")
+        moe = init_device_mesh(device_type, (pp, per_stage // ep, 1, ep), mesh_dim_names=names,
+                               backend_override={n: opts for n in names})
+    return MeshContext(mesh, flattened, moe)

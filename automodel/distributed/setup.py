@@ -33,6 +33,10 @@ class DistributedSetup:
         return self.cp is not None
 
     @property
+    def ep_enabled(self) -> bool:
+        return self.mesh is not None and self.mesh.moe is not None
+
+    @property
     def device(self) -> torch.device:
         return self.dist.device
 

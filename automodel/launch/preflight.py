@@ -16,10 +16,10 @@ def check_model_layout(cfg: TrainConfig) -> None:
     """Raise ``ConfigError`` for a TP plan, context-parallel split or pipeline split the model
     cannot take."""
     m = cfg.mesh
-    if m.tp_size == 1 and m.pp_size == 1 and m.cp_size == 1:
+    if m.tp_size == 1 and m.pp_size == 1 and m.cp_size == 1 and m.ep_size == 1:
         return
     from automodel.config.validate_pipeline import check_pipeline_model
-    from automodel.distributed import context_parallel
+    from automodel.distributed import context_parallel, expert_parallel
     from automodel.distributed.pipelining.split import contents_from_fqns
     from automodel.distributed.tensor_parallel import (
         check_divisibility,
@@ -44,6 +44,9 @@ def check_model_layout(cfg: TrainConfig) -> None:
             tp_heads = m.tp_size if splits_heads(concrete) else 1
         if m.cp_size > 1:
             context_parallel.check_model(model, m.cp_size, m.cp_ulysses_size or 1, tp_heads)
+        expert_parallel.check_layout(model, m.ep_size, pipeline=cfg.pipeline is not None,
+                                     sequence_parallel=m.tp_size > 1 and getattr(
+                                         cfg.parallelism, "sequence_parallel", False))
         if cfg.pipeline is not None:
             anatomy = find_anatomy(model)
             check_pipeline_model(cfg.pipeline, cfg.mesh, cfg.model, cfg.trainer,

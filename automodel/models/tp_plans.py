@@ -12,6 +12,8 @@ from typing import Any
 
 from torch import nn
 
+from automodel.models.experts import expert_modules
+
 # For models without a Hugging Face plan whose modules follow Llama's names.
 LLAMA_STYLE_PLAN = {
     "model.embed_tokens": "embedding_rowwise",
@@ -63,11 +65,20 @@ def matches(model: nn.Module, pattern: str) -> list[str]:
 
 def _hf_plan(model: nn.Module) -> dict | None:
     """The model's own plan. A family's plan covers all its variants (e.g. MiniCPM3 with and
-    without a low-rank q projection): entries matching nothing in this model are dropped."""
+    without a low-rank q projection): entries matching nothing in this model are dropped.
+    So are entries for the experts of a mixture-of-experts model: they stay whole on every TP
+    rank (TP ranks see the same tokens), and expert parallelism splits them instead."""
     full = _full_hf_plan(model)
     if full is None:
         return None
-    return {pattern: style for pattern, style in full.items() if matches(model, pattern)}
+    experts = tuple(expert_modules(model))
+    return {pattern: style for pattern, style in full.items()
+            if (found := matches(model, pattern))
+            and not all(_inside(name, experts) for name in found)}
+
+
+def _inside(name: str, modules: tuple) -> bool:
+    return any(name == m or name.startswith(m + ".") for m in modules)
 
 
 def _full_hf_plan(model: nn.Module) -> dict | None:

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from automodel.distributed.setup import DistributedSetup
+from automodel.recipes.router_loss import RouterLoss
 
 IGNORE_INDEX = -100
 
@@ -170,10 +171,15 @@ def sequence_shard(inputs: torch.Tensor, labels: torch.Tensor, setup: Distribute
             cp.positions(inputs.shape[1], inputs.device))
 
 
-def train_step(model, setup: DistributedSetup, micro_batches, max_grad_norm) -> StepStats:
+def train_step(model, setup: DistributedSetup, micro_batches, max_grad_norm,
+               router_loss: Optional[RouterLoss] = None) -> StepStats:
     """Forward and backward over the micro-batches, then clip; the optimizer step is the
     caller's. Returns (global mean loss, gradient norm before clipping, global token count)
-    as device tensors, the same values on every rank: nothing is read on the host."""
+    as device tensors, the same values on every rank: nothing is read on the host.
+
+    ``router_loss`` (a mixture-of-experts model whose config asks for it): ``coef * aux``
+    joins the objective, ``aux`` being the mean over the global batch's sequences; it is
+    logged as ``aux_loss``, and ``loss`` stays the token cross-entropy."""
     device = setup.device
     group = setup.loss_group
     batches = [sequence_shard(to_device(x, device), to_device(y, device), setup)
@@ -182,7 +188,10 @@ def train_step(model, setup: DistributedSetup, micro_batches, max_grad_norm) -> 
     # (dp * cp) / global_tokens in float64 (as a Python float would be), rounded once to the
     # loss's float32
     scale = (full(setup.grad_average_size, device) / global_tokens).to(torch.float32)
-    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    sums = torch.zeros(2, dtype=torch.float64, device=device)  # [loss sum, aux sum]
+    sequences = setup.dp_size * sum(x.shape[0] for x, _ in micro_batches)  # global batch
+    extra_args = {"output_router_logits": True} if router_loss is not None else {}
+    cp_group = setup.cp.group if setup.cp is not None else None
     for i, (inputs, labels, positions) in enumerate(batches):
         # Positions explicitly: under sequence or context parallelism a model would
         # otherwise derive them from its local shard of the sequence.
@@ -190,15 +199,24 @@ def train_step(model, setup: DistributedSetup, micro_batches, max_grad_norm) -> 
         try:
             with grad_sync_context(model, setup, i == len(batches) - 1):
                 with autocast_context(setup), unpacked_sequences():
-                    logits = model(input_ids=inputs, position_ids=positions, use_cache=False).logits
-                mb_loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
+                    out = model(input_ids=inputs, position_ids=positions, use_cache=False,
+                                **extra_args)
+                mb_loss = F.cross_entropy(out.logits.float().flatten(0, 1), labels.flatten(),
                                           ignore_index=IGNORE_INDEX, reduction="sum")
-                (mb_loss * scale).backward()
+                objective = mb_loss * scale
+                if router_loss is not None:
+                    aux = router_loss.per_sequence(out.router_logits, inputs.shape[0],
+                                                   cp_group).sum()
+                    objective = objective + aux * (router_loss.coef * setup.grad_average_size
+                                                   / sequences)
+                    sums[1] += aux.detach().to(torch.float64)
+                objective.backward()
         except RuntimeError as err:
             if setup.strategy == "ddp":
                 raise _ddp_hint(err) from err
             raise
-        loss_sum += mb_loss.detach().to(torch.float64)
+        sums[0] += mb_loss.detach().to(torch.float64)
     grad_norm = grad_norm_and_clip(model.parameters(), max_grad_norm)
-    loss = _all_reduce_sum(loss_sum, group) / global_tokens
-    return StepStats(loss, grad_norm, global_tokens)
+    sums = _all_reduce_sum(sums, group)
+    extra = {"aux_loss": sums[1] / sequences} if router_loss is not None else None
+    return StepStats(sums[0] / global_tokens, grad_norm, global_tokens, extra)

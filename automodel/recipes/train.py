@@ -42,6 +42,7 @@ from automodel.models.builder import build_meta_model, build_model
 from automodel.optim import Optimizers, Schedulers
 from automodel.parallelize import parallelize
 from automodel.recipes.pipeline_step import PipelineStep
+from automodel.recipes.router_loss import RouterLoss
 from automodel.recipes.step import train_step
 from automodel.recipes.step_log import StepLog
 from automodel.recipes.step_values import read_step
@@ -92,7 +93,7 @@ def build_setup(cfg: TrainConfig, info: DistInfo) -> DistributedSetup:
                           info.startup_timeout.total_seconds() / 60,
                           pp=m.pp_size, dp_replicate=m.dp_replicate_size,
                           dp_shard=m.dp_size // m.dp_replicate_size, cp=m.cp_size, tp=m.tp_size,
-                          cp_ulysses=m.cp_ulysses_size or 1)
+                          cp_ulysses=m.cp_ulysses_size or 1, ep=m.ep_size)
     return DistributedSetup(
         strategy=cfg.strategy, options=cfg.parallelism, dist=info, mesh=mesh,
         activation_checkpointing=cfg.activation_checkpointing,
@@ -120,6 +121,7 @@ def _train(cfg: TrainConfig, info: DistInfo, output_dir: str) -> list[dict]:
     vocab = model.config.vocab_size
     n_params = sum(p.numel() for p in model.parameters())
     model_config = model.config.to_dict()
+    router_loss = RouterLoss.of(model)
     parallel = parallelize(model, setup, fill)
     model = parallel.parts[0]
     optimizer = Optimizers(parallel.parts, cfg.optim)
@@ -168,7 +170,8 @@ def _train(cfg: TrainConfig, info: DistInfo, output_dir: str) -> list[dict]:
                 if pipeline is not None:
                     stats = pipeline(micro, cfg.optim.max_grad_norm)
                 else:
-                    stats = train_step(model, setup, micro, cfg.optim.max_grad_norm)
+                    stats = train_step(model, setup, micro, cfg.optim.max_grad_norm,
+                                       router_loss)
                 for h in hooks:
                     h.remove()
                 # The step's one device-to-host read (loss, norm, tokens, peak memory, the stop

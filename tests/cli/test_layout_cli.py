@@ -11,8 +11,13 @@ from tests.cli.test_cli import run
     (["mesh.tp_size=4"], "must divide the model's num_key_value_heads=2"),
     (["mesh.tp_size=8"], "must divide the model's num_attention_heads=4"),
     (["mesh.tp_size=2", "model.config.vocab_size=257"], "vocab_size=257"),
-    (["mesh.tp_size=2", "model.config.model_type=qwen3_moe", "+model.config.num_experts=4"],
-     "tensor-parallel expert layers"),
+    # mixture of experts: what the layout cannot give it
+    (["mesh.ep_size=2"], "LlamaForCausalLM (model_type 'llama') has no experts modules"),
+    (["mesh.ep_size=4", "mesh.dp_size=4", "model=qwen3_moe_tiny",
+      "model.config.num_experts=6"], "mesh.ep_size=4 must divide the model's num_experts=6"),
+    (["model=qwen3_moe_tiny", "pipeline=1f1b"], "set model.config.output_router_logits=false"),
+    (["model=qwen3_moe_tiny", "mesh.tp_size=2", "parallelism.sequence_parallel=true"],
+     "set parallelism.sequence_parallel=false"),
     # context parallelism: what the exchange cannot split, named
     (["mesh.cp_size=2", "model=gemma2_tiny"], "does not support attention logit soft-capping"),
     (["mesh.cp_size=2", "model=granite_swa_tiny"],
@@ -23,7 +28,7 @@ from tests.cli.test_cli import run
      "mesh.cp_ulysses_size=8 must divide the attention heads: the model has "
      "num_attention_heads=4"),
 ])
-def test_tp_rule_on_the_model_structure_fails_before_any_rank(args, expected, tmp_path):
+def test_rule_on_the_model_structure_fails_before_any_rank(args, expected, tmp_path):
     # checked on a meta-device copy of the model (torch is imported, no weights, no ranks)
     out = run(["parallelism=fsdp2"] + args, tmp_path)
     assert out.returncode == 2, out.stderr

@@ -48,6 +48,13 @@ def _loss_and_grad_norm_of(model_dir, step, overrides, tmp_path):
     ("tp2", ["parallelism=fsdp2", FP32, "mesh.tp_size=2"]),
     ("pp2", PP + ["pipeline=1f1b"]),
     ("ddp", ["parallelism=ddp"]),
+    # context parallelism swaps the attention function of the live model; the export is the
+    # plain model (loaded below with transformers' own attention)
+    ("cp2_ulysses", ["parallelism=fsdp2", FP32, "mesh.cp_size=2", "mesh.cp_ulysses_size=2"]),
+    # experts split over 2 ranks are saved and exported as the model's fused 3-D weights
+    # (the router loss off: the plain evaluation below is the cross-entropy alone)
+    ("moe_ep2", ["parallelism=fsdp2", FP32, "model=qwen3_moe_tiny", "mesh.ep_size=2",
+                 "model.config.output_router_logits=false"]),
 ])
 def test_export_holds_the_trained_weights(name, layout, tmp_path):
     records = train(layout + RUN, tmp_path)
