@@ -96,5 +96,6 @@ def apply_data_parallel(part: nn.Module, blocks: list[str], setup: DistributedSe
                     build_policy(setup.mp_policy, setup.device),
                     build_policy(setup.offload_policy, setup.device), setup.pp_enabled, moe)
         return part
-    assert setup.strategy == "none", f"strategy {setup.strategy} is refused before launch"
+    # none; megatron_fsdp wraps the model together with its optimizer, in the runner
+    # (distributed/megatron_fsdp.py)
     return part

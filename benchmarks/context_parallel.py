@@ -70,7 +70,6 @@ from __future__ import annotations
 
 # Only cheap imports at module level: the spawned ranks re-import this file.
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -79,24 +78,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.common import finish  # noqa: E402
+from benchmarks.common import reset_peak as _reset_peak  # noqa: E402
+from benchmarks.common import status as _status  # noqa: E402
+
 FP32 = ("parallelism.mp_policy={_target_:torch.distributed.fsdp.MixedPrecisionPolicy,"
         "param_dtype:float32,reduce_dtype:float32}")
 MiB = 2**20
 LOSS_RTOL = 1e-5
-
-
-def _status(field: str) -> int:
-    """A memory figure of this process from /proc/self/status, in bytes."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(field)
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:  # Linux: VmHWM := the current RSS
-        f.write("5")
 
 
 def rank_entry(cfg, sdpa: str) -> dict:
@@ -273,12 +262,7 @@ def main(argv=None) -> None:
     if any(r["oversubscribed"] for r in rows):
         print(f"* more rank threads than the {cores} cores: wall-clock numbers are not "
               "comparable")
-    print("loss ok" if ok else f"LOSS MISMATCH: some run differs from cp 1 by more than "
-          f"{LOSS_RTOL:g} relative")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
-    if not ok:
-        sys.exit(1)
+    finish(ok, "cp 1", LOSS_RTOL, args, rows)
 
 
 if __name__ == "__main__":

@@ -23,22 +23,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.common import reset_peak as _reset_peak  # noqa: E402
+from benchmarks.common import status as _status  # noqa: E402
+
 FP32 = ("parallelism.mp_policy={_target_:torch.distributed.fsdp.MixedPrecisionPolicy,"
         "param_dtype:float32,reduce_dtype:float32}")
-
-
-def _status(field: str) -> int:
-    """A memory figure of this process from /proc/self/status, in bytes."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(field)
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:  # Linux: VmHWM := the current RSS
-        f.write("5")
 
 
 def rank_entry(cfg, eager: bool):

@@ -80,6 +80,6 @@ if [ "$have" != "$want" ]; then
   else
     "${pip[@]}" "${torch_args[@]}"
   fi
-  "${pip[@]}" -e ".[test]"
+  "${pip[@]}" -e ".[test,megatron]"
   echo "$want" >"$stamp"
 fi

@@ -130,9 +130,10 @@ def resolve_mesh(strategy: str, m: s.MeshConfig, launch: LaunchEnv, d: s.Distrib
                + ") or " if gpus >= non_dp else "")
             + "use distributed.backend=gloo (ranks on CPU)")
     if replicate > 1:
-        if strategy != "fsdp2":
+        if strategy not in ("fsdp2", "megatron_fsdp"):
             raise ConfigError(f"mesh.dp_replicate_size={replicate} is HSDP and needs "
-                              f"parallelism=fsdp2 (or hsdp), not parallelism={strategy}")
+                              f"parallelism=fsdp2 (or hsdp, or megatron_fsdp), not "
+                              f"parallelism={strategy}")
         if dp % replicate:
             raise ConfigError(f"mesh.dp_replicate_size={replicate} must divide the data-parallel "
                               f"size dp={dp}"

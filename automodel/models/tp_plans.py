@@ -5,13 +5,13 @@ to style names; ``automodel/distributed/tensor_parallel.py`` turns them into tor
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import re
 from typing import Any
 
 from torch import nn
 
+from automodel.imports import load_object
 from automodel.models.experts import expert_modules
 
 # For models without a Hugging Face plan whose modules follow Llama's names.
@@ -31,11 +31,7 @@ LLAMA_STYLE_PLAN = {
 def load_plan_from_path(path: str, model: nn.Module) -> dict:
     """``pkg.module.NAME``: a dict, or a function returning one (given the model if it takes
     an argument)."""
-    module_name, _, attr = path.rpartition(".")
-    try:
-        obj = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError, ValueError) as err:
-        raise ValueError(f"parallelism.tp_plan={path!r}: cannot import it ({err})") from None
+    obj = load_object(path, "parallelism.tp_plan")
     if callable(obj):
         obj = obj(model) if inspect.signature(obj).parameters else obj()
     if not isinstance(obj, dict):

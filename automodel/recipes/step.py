@@ -94,6 +94,8 @@ def grad_sync_context(model, setup: DistributedSetup, is_last: bool):
         return model.no_sync()
     if setup.strategy == "fsdp2" and setup.options.defer_fsdp_grad_sync:
         model.set_requires_gradient_sync(is_last)
+    if setup.strategy == "megatron_fsdp" and not is_last:
+        return model.no_sync()
     return contextlib.nullcontext()
 
 
@@ -216,6 +218,8 @@ def train_step(model, setup: DistributedSetup, micro_batches, max_grad_norm,
                 raise _ddp_hint(err) from err
             raise
         sums[0] += mb_loss.detach().to(torch.float64)
+    if setup.strategy == "megatron_fsdp":
+        model.finish_grad_sync()  # its gradient reduction runs on; clipping needs it done
     grad_norm = grad_norm_and_clip(model.parameters(), max_grad_norm)
     sums = _all_reduce_sum(sums, group)
     extra = {"aux_loss": sums[1] / sequences} if router_loss is not None else None

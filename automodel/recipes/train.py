@@ -32,6 +32,7 @@ from automodel.distributed.materialize import (
     materialize,
     safetensors_files,
 )
+from automodel.distributed.megatron_fsdp import apply_megatron_fsdp
 from automodel.distributed.mesh import MeshAxis, build_mesh
 from automodel.distributed.patches import patch_is_packed_sequence
 from automodel.distributed.setup import DistributedSetup
@@ -125,6 +126,9 @@ def _train(cfg: TrainConfig, info: DistInfo, output_dir: str) -> list[dict]:
     parallel = parallelize(model, setup, fill)
     model = parallel.parts[0]
     optimizer = Optimizers(parallel.parts, cfg.optim)
+    if setup.strategy == "megatron_fsdp":  # wraps the model and the optimizer together
+        parallel.parts[:] = apply_megatron_fsdp(parallel.parts, optimizer, setup)
+        model = parallel.parts[0]
     scheduler = Schedulers(optimizer, cfg.optim, cfg.trainer.max_steps)
     t = cfg.trainer
     plan = BatchPlan(token_sequences(cfg.data_source, cfg.data, t.seq_len, vocab),

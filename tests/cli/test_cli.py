@@ -88,9 +88,10 @@ def test_bad_size_product_fails_before_any_process(tmp_path):
 
 
 @pytest.mark.fast
-def test_not_yet_available_layout_is_refused_early(tmp_path):
-    out = run(["parallelism=fsdp2", "mesh.ep_size=2"], tmp_path, no_torch_env(tmp_path))
-    assert out.returncode == 2 and "mesh.ep_size=2" in out.stderr
+def test_what_this_machine_cannot_run_is_refused_before_torch_is_imported(tmp_path):
+    # megatron-fsdp needs an NVIDIA GPU: the CPU machine says so without importing torch
+    out = run(["parallelism=megatron_fsdp"], tmp_path, no_torch_env(tmp_path))
+    assert out.returncode == 2 and "runs on NVIDIA GPUs only" in out.stderr
 
 
 def test_a_failing_rank_fails_the_job_and_is_named(tmp_path):

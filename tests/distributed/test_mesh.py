@@ -24,7 +24,8 @@ def test_hsdp_mesh_views_and_timeouts(tmp_path):
     facts = run_on_ranks(_facts, 4, tmp_path=tmp_path)
     assert [f["dp_rank"] for f in facts] == [0, 1, 2, 3]
     assert all(f["dp_size"] == 4 and f["replicate"] == 2 and f["shard_size"] == 2 for f in facts)
-    assert all(f["fsdp_mesh"] == ("dp_replicate", "dp_shard") for f in facts)
+    # (the shard dim is dp_shard x cp: context-parallel ranks shard parameters too)
+    assert all(f["fsdp_mesh"] == ("dp_replicate", "dp_shard_cp") for f in facts)
     # shard groups are {0,1} and {2,3}
     assert [f["shard_sum"] for f in facts] == [1.0, 1.0, 5.0, 5.0]
     # distributed.timeout_minutes reaches every sub-group (torch's own default is 30 min)

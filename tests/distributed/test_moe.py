@@ -4,7 +4,7 @@ Tiny MoE families built from config (``conf/model/{qwen3_moe,mixtral,olmoe}_tiny
 experts, 2 per token, the router's load-balancing loss in the objective) must match one
 process in losses, gradient norms and the logged ``aux_loss`` (fp32, 5 steps):
 
-- experts whole (ep 1) under FSDP2, DDP, TP (the family's plan without its expert entries)
+- experts whole (ep 1) under FSDP2, DDP, TP (the family's plan without its expert entries), compile
   and a pipeline (without the router loss, which needs all layers of a sequence);
 - experts spread over ep ranks (``mesh.ep_size``): alone (ep 2 on 2 ranks), FSDP2-sharded
   over ``ep_shard`` (ep 2 x ep_shard 2 on 4 ranks), with activation checkpointing (the
@@ -63,6 +63,11 @@ MORE = {  # qwen3_moe in the other layouts: (layout, model overrides the referen
     "ep2_x_pp2": (FSDP2 + ["mesh.dp_size=2", "mesh.ep_size=2", "pipeline=1f1b",
                            "pipeline.pp_microbatch_size=2"], [NO_ROUTER_LOSS]),
     "ep2_x_cp2": (FSDP2 + ["mesh.dp_size=1", "mesh.cp_size=2", "mesh.ep_size=2"], []),
+    "compile": (FSDP2 + ["mesh.dp_size=2", "parallelism.enable_compile=true"], []),
+    "ep2_x_hsdp": (FSDP2 + ["mesh.dp_size=4", "mesh.dp_replicate_size=2", "mesh.ep_size=2"],
+                   []),
+    # the ep pair is the TP pair: both send the same tokens, counted like ranks
+    "ep2_x_tp2": (FSDP2 + ["mesh.dp_size=1", "mesh.tp_size=2", "mesh.ep_size=2"], []),
     # experts whole on both ranks of each ep_shard pair (all-reduced), kept after forward
     "ep2_experts_replicated": (FSDP2 + ["mesh.dp_size=4", "mesh.ep_size=2",
                                         "parallelism.moe.shard_experts=false",

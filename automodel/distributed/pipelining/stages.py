@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -13,6 +11,7 @@ from automodel.distributed.pipelining.csv_schedule import read_csv_layout
 from automodel.distributed.pipelining.layout import count_stages
 from automodel.distributed.pipelining.schedule import schedule_spec, stages_of_rank
 from automodel.distributed.pipelining.split import build_stage, contents_from_fqns, even_contents
+from automodel.imports import load_object
 from automodel.models.anatomy import find_anatomy
 
 
@@ -68,11 +67,7 @@ class PipelineLoss:
 def load_loss_fn(path: str | None):
     if path is None:
         return summed_cross_entropy
-    module, _, name = path.rpartition(".")
-    try:
-        fn = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError, ValueError) as err:
-        raise ValueError(f"pipeline.loss_fn={path!r}: cannot import it ({err})") from None
+    fn = load_object(path, "pipeline.loss_fn")
     if not callable(fn):
         raise ValueError(f"pipeline.loss_fn={path!r} is not callable")
     return fn

@@ -1,0 +1,34 @@
+"""Helpers the CPU benchmarks share: resident memory from Linux's /proc, the closing lines."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def status(field: str) -> int:
+    """A memory figure of this process from /proc/self/status (VmRSS, VmHWM, RssAnon...), in
+    bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def reset_peak() -> None:
+    """Set the peak (VmHWM) to the current resident size."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def finish(ok: bool, baseline: str, rtol: float, args, rows: list) -> None:
+    """Say whether every run's losses matched ``baseline``'s, write ``--json``, and exit 1 on
+    a mismatch."""
+    print("loss ok" if ok else f"LOSS MISMATCH: some run differs from {baseline} by more "
+          f"than {rtol:g} relative")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+    if not ok:
+        sys.exit(1)
