@@ -40,7 +40,9 @@ class Optimizers:
 
     def __init__(self, parts: list[nn.Module], cfg: OptimConfig):
         self.parts = list(parts)
-        self.optimizers = [build_optimizer(part.parameters(), cfg) for part in self.parts]
+        # frozen parameters (model.freeze) are not the optimizer's: no state, no decay
+        self.optimizers = [build_optimizer([p for p in part.parameters() if p.requires_grad],
+                                           cfg) for part in self.parts]
 
     def step(self) -> None:
         for opt in self.optimizers:

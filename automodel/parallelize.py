@@ -72,7 +72,8 @@ def parallelize(model: nn.Module, setup: DistributedSetup,
             apply_cp(part, setup.cp)
         experts = apply_ep(part, setup.mesh.moe["ep"]) if setup.ep_enabled else []
         ac_blocks = select_blocks(part, setup.activation_checkpointing_scope)
-        apply_ac(part, ac_blocks, setup.activation_checkpointing, replace_module)
+        apply_ac(part, ac_blocks, setup.activation_checkpointing, replace_module,
+                 setup.activation_checkpointing_scope)
         if getattr(setup.options, "enable_compile", False):
             apply_compile(part, blocks)
         if materialize is not None and setup.strategy != "fsdp2":

@@ -55,15 +55,17 @@ def model_config_of(path: str):
 
 
 def export_hf(path: str, out: str, tokenizer_path: str | None = None) -> str:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
+
+    from automodel.models.multimodal import auto_class, text_config
 
     state = load_full_model_state(path)
     config = model_config_of(path)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = auto_class(config).from_config(config)
     expected = set(model.state_dict())
     missing = expected - set(state)
-    if config.tie_word_embeddings:  # one tensor under two names; either may be stored
+    if text_config(config).tie_word_embeddings:  # one tensor under two names; either stored
         missing -= {k for k in missing if k in _tied_names(model)}
     if missing or set(state) - expected:
         raise CheckpointError(f"checkpoint {path}: weights do not match {type(model).__name__}"

@@ -51,6 +51,8 @@ class CommonOptions:
     autocast_dtype: Optional[str] = None  # e.g. bfloat16: forward under torch.autocast
     enable_compile: bool = False  # per-layer torch.compile of decoder layers
     patch_is_packed_sequence: bool = False
+    # pkg.module.fn called with each model part after the pipeline split, before TP/FSDP
+    pre_shard_hook: Optional[str] = None
 
 
 @dataclass
@@ -158,6 +160,8 @@ class ModelConfig:
     config: Dict[str, Any] = field(default_factory=dict)
     pretrained_path: Optional[str] = None  # local directory for ``from_pretrained``
     dtype: str = "float32"
+    # layer groups (vision, multimodal, language, audio) or parameter-name patterns to freeze
+    freeze: List[str] = field(default_factory=list)
 
 
 @dataclass
@@ -166,6 +170,7 @@ class CorpusDataConfig:
 
     num_documents: int = 20000
     seed: int = 0
+    image_every: int = 1  # image-text models: every n-th sample has an image (0: none)
 
 
 @dataclass
@@ -175,6 +180,7 @@ class SyntheticDataConfig:
     num_sequences: int = 4096
     vocab_size: Optional[int] = None  # null = the model's vocabulary
     seed: int = 0
+    image_every: int = 1  # image-text models: every n-th sample has an image (0: none)
 
 
 @dataclass

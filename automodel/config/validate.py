@@ -191,7 +191,24 @@ def resolve_trainer(t: s.TrainerConfig, mesh: s.MeshConfig) -> s.TrainerConfig:
     return dataclasses.replace(t, local_batch_size=local)
 
 
+def check_pre_shard_hook(par) -> None:
+    """``parallelism.pre_shard_hook`` must import and be callable (the import runs here)."""
+    path = getattr(par, "pre_shard_hook", None)
+    if path is None:
+        return
+    from automodel.imports import load_object
+
+    try:
+        hook = load_object(path, "parallelism.pre_shard_hook")
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    if not callable(hook):
+        raise ConfigError(f"parallelism.pre_shard_hook={path!r} is a {type(hook).__name__}, "
+                          "not a function of one model part")
+
+
 def check_ac_and_strategy(strategy: str, par, mesh: s.MeshConfig):
+    check_pre_shard_hook(par)
     ac = par.activation_checkpointing
     if strategy == "megatron_fsdp":
         mode, scope = ("full" if ac else "none"), ["all"]
@@ -251,6 +268,7 @@ def _check_ac_scope(scope) -> List[str]:
 
 def check_data(source: str, data, model: s.ModelConfig) -> None:
     vocab = model.config.get("vocab_size")
+    _positive("data.image_every", getattr(data, "image_every", None), 0)
     if source == "files":
         if not data.paths:
             raise ConfigError("data.paths is empty: give one or more local .txt/.jsonl files")
@@ -261,6 +279,7 @@ def check_data(source: str, data, model: s.ModelConfig) -> None:
             raise ConfigError(f"data.tokenizer_path={data.tokenizer_path!r}: no such directory")
     if source == "synthetic":
         _positive("data.vocab_size", data.vocab_size, 2)
+
         if vocab is not None and data.vocab_size is not None and data.vocab_size > vocab:
             raise ConfigError(f"data.vocab_size={data.vocab_size} exceeds the model's "
                               f"model.config.vocab_size={vocab}")

@@ -3,6 +3,9 @@
 Step ``s`` uses global batch ``s`` of a seeded permutation (a new one each epoch). The global
 batch is split into contiguous slices per data-parallel rank, and each slice into
 micro-batches. Any layout sees the same global batch at the same step, so losses match.
+
+The rows are token sequences (a tensor ``[n, seq_len + 1]``), or image-text samples
+(``data/image_text.ImageTextData``), whose micro-batches also carry their images.
 """
 
 from __future__ import annotations
@@ -12,20 +15,20 @@ import torch
 
 class BatchPlan:
     def __init__(self, sequences: torch.Tensor, global_batch_size: int, seed: int):
-        if sequences.shape[0] < global_batch_size:
-            raise ValueError(f"the data has {sequences.shape[0]} sequences, fewer than "
+        if len(sequences) < global_batch_size:
+            raise ValueError(f"the data has {len(sequences)} sequences, fewer than "
                              f"trainer.global_batch_size={global_batch_size}")
         self.sequences = sequences
         self.global_batch_size = global_batch_size
         self.seed = seed
-        self.batches_per_epoch = sequences.shape[0] // global_batch_size
+        self.batches_per_epoch = len(sequences) // global_batch_size
         self._epoch = -1
         self._order = None
 
     def _permutation(self, epoch: int) -> torch.Tensor:
         if epoch != self._epoch:
             gen = torch.Generator().manual_seed(self.seed + epoch)
-            self._order = torch.randperm(self.sequences.shape[0], generator=gen)
+            self._order = torch.randperm(len(self.sequences), generator=gen)
             self._epoch = epoch
         return self._order
 
@@ -36,10 +39,17 @@ class BatchPlan:
         rows = order[index * self.global_batch_size:(index + 1) * self.global_batch_size]
         return self.sequences[rows]
 
-    def micro_batches(self, step: int, dp_rank: int, dp_size: int, local_batch_size: int):
-        """[(input_ids, labels), ...] for this data-parallel rank at ``step``."""
-        batch = self.global_batch(step)
+    def rank_rows(self, step: int, dp_rank: int, dp_size: int):
+        """The rows data-parallel rank ``dp_rank`` trains on at ``step``."""
         per_rank = self.global_batch_size // dp_size
-        mine = batch[dp_rank * per_rank:(dp_rank + 1) * per_rank]
+        return self.global_batch(step)[dp_rank * per_rank:(dp_rank + 1) * per_rank]
+
+    def micro_batches(self, step: int, dp_rank: int, dp_size: int, local_batch_size: int):
+        """[(input_ids, labels), ...] for this data-parallel rank at ``step``; image-text rows
+        give (input_ids, labels, extras) with ``pixel_values`` in extras."""
+        mine = self.rank_rows(step, dp_rank, dp_size)
+        if not isinstance(mine, torch.Tensor):
+            return [mine[i:i + local_batch_size].split()
+                    for i in range(0, len(mine), local_batch_size)]
         return [(mb[:, :-1].contiguous(), mb[:, 1:].contiguous())
                 for mb in mine.split(local_batch_size)]

@@ -1,4 +1,5 @@
-"""Turn a data config into one long token stream, cut into training sequences."""
+"""Turn a data config into training rows: one long token stream cut into sequences, or, for
+an image-text model, image-text samples (``data/image_text.py``)."""
 
 from __future__ import annotations
 
@@ -74,3 +75,22 @@ def token_sequences(source: str, data, seq_len: int, model_vocab: int) -> torch.
         raise ValueError(f"the data has {stream.numel()} tokens, fewer than one sequence of "
                          f"trainer.seq_len+1={seq_len + 1}")
     return stream[: rows * (seq_len + 1)].view(rows, seq_len + 1)
+
+
+def training_rows(source: str, data, seq_len: int, model_cfg):
+    """What ``BatchPlan`` draws from for the model ``model_cfg`` (a ``ModelConfig``): token
+    rows, or for an image-text model those rows with images (``data.image_every``)."""
+    from automodel.data.image_text import add_images
+    from automodel.models import multimodal as mm
+    from automodel.models.builder import build_meta_model
+
+    meta = build_meta_model(model_cfg)  # structure only: no weights are allocated
+    rows = token_sequences(source, data, seq_len, mm.text_config(meta.config).vocab_size)
+    if not mm.is_image_text(meta.config):
+        return rows
+    if source == "files":
+        raise ValueError(f"data=files with the image-text model {type(meta).__name__}: in "
+                         "this version image-text models train on data=corpus or synthetic "
+                         "text with generated images")
+    return add_images(rows, mm.image_token_id(meta.config), mm.tokens_per_image(meta),
+                      mm.image_shape(meta.config), data.seed, data.image_every)

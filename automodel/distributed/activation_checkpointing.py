@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
@@ -23,6 +25,9 @@ SAVED_OPS = {
 }
 
 
+log = logging.getLogger(__name__)
+
+
 def _save_matmuls(ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -42,10 +47,14 @@ def checkpoint_block(block: nn.Module, mode: str) -> nn.Module:
     raise AssertionError(f"unexpected activation checkpointing mode {mode!r}")
 
 
-def apply_ac(model: nn.Module, block_fqns: list[str], mode: str, replace) -> None:
+def apply_ac(model: nn.Module, block_fqns: list[str], mode: str, replace,
+             scope: list | None = None) -> None:
     """Wrap the blocks at ``block_fqns`` in place (``replace(model, fqn, new)`` swaps them)."""
     if mode == "none":
         return
+    if not block_fqns and scope and scope != ["all"]:
+        log.info("activation_checkpointing_scope=%s: no trainable block in scope (frozen "
+                 "blocks keep no activations for backward): nothing is checkpointed", scope)
     for fqn in block_fqns:
         replace(model, fqn, checkpoint_block(model.get_submodule(fqn), mode))
 

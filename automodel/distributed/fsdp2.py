@@ -16,6 +16,7 @@ from torch.distributed.fsdp import (
 
 from automodel.config.policies import POLICY_FIELDS, PolicySpec
 from automodel.config.schema import FSDP2Config
+from automodel.distributed.frozen import plan_units
 
 log = logging.getLogger(__name__)
 _CLASSES = {"MixedPrecisionPolicy": MixedPrecisionPolicy, "CPUOffloadPolicy": CPUOffloadPolicy,
@@ -58,6 +59,9 @@ def apply_fsdp2(model: nn.Module, block_fqns: list[str], mesh: DeviceMesh, opts:
     common = {"mesh": mesh, "mp_policy": mp_policy,
               "offload_policy": offload_policy or OffloadPolicy()}
     expert_modules, expert_mesh = experts or ([], None)
+    block_fqns, ignored = plan_units(model, block_fqns, opts.multimodal.frozen_sharding)
+    if ignored:
+        common["ignored_params"] = ignored
     blocks = []
     for i, fqn in enumerate(block_fqns):
         block = model.get_submodule(fqn)

@@ -94,6 +94,16 @@ def _local_window(target: DTensor, shape) -> tuple | None:
     return tuple(slice(o, o + n) for o, n in zip(offset, local))
 
 
+def names_match(model: nn.Module, files: dict[str, str]) -> bool:
+    """Whether a safetensors checkpoint stores every weight under the model's own parameter
+    names. Some families store others (LLaVA: ``language_model.model.*`` for the module
+    ``model.language_model.*``) and rename them while loading; those are loaded whole by
+    rank 0 (``materialize``) instead of sliced."""
+    names = {n for n, _ in model.named_parameters()}
+    tied = {n for n, _ in model.named_parameters(remove_duplicate=False)} - names
+    return names <= set(files) or (names - set(files)) <= tied
+
+
 @torch.no_grad()
 def load_slices(parts: list[nn.Module], device: torch.device, files: dict[str, str]) -> None:
     """Fill ``parts`` (built on meta, already sharded) from a safetensors checkpoint, each rank

@@ -71,3 +71,21 @@ class DistributedSetup:
     def autocast_dtype(self) -> Optional[torch.dtype]:
         name = getattr(self.options, "autocast_dtype", None)
         return None if name is None else getattr(torch, name)
+
+
+def named_hook(path: Optional[str]) -> Optional[Callable[[nn.Module], None]]:
+    """``parallelism.pre_shard_hook``: the user's function, whose failures name it."""
+    if path is None:
+        return None
+    from automodel.imports import load_object
+
+    hook = load_object(path, "parallelism.pre_shard_hook")
+
+    def call(part: nn.Module) -> None:
+        try:
+            hook(part)
+        except Exception as err:
+            raise RuntimeError(f"parallelism.pre_shard_hook={path} failed on "
+                               f"{type(part).__name__}: {type(err).__name__}: {err}") from err
+
+    return call

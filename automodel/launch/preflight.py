@@ -35,6 +35,13 @@ def check_model_layout(cfg: TrainConfig) -> None:
     except Exception as err:  # transformers' own config checks raise several kinds
         raise ConfigError(f"model: cannot build {_which(cfg)}: {type(err).__name__}: "
                           f"{err}") from None
+    from automodel.models.multimodal import is_image_text
+
+    if is_image_text(model.config):
+        raise ConfigError(f"{type(model).__name__} is an image-text model: tensor, context, "
+                          "pipeline and expert parallelism are not available for image-text "
+                          "models in this version; keep mesh.tp_size, cp_size, pp_size and "
+                          "ep_size at 1 (data parallelism: ddp, fsdp2, hsdp)")
     try:
         tp_heads = 1
         if m.tp_size > 1:

@@ -1,4 +1,5 @@
-"""Build a Hugging Face causal LM from config or from a local pretrained directory."""
+"""Build a Hugging Face causal LM or image-text model from config or a local pretrained
+directory, with the parameters ``model.freeze`` names frozen."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 from torch import nn
 
 from automodel.config.schema import ModelConfig
+from automodel.models.multimodal import auto_class, freeze, text_config
 
 
 def hf_config(cfg: ModelConfig):
@@ -44,26 +46,31 @@ def build_meta_model(cfg: ModelConfig) -> nn.Module:
     """The model's structure without weights: parameters on the meta device, buffers (rotary
     frequencies and the like, computed from the config) on the host. For checks before launch,
     and every rank's starting point (``automodel.distributed.materialize``)."""
-    from transformers import AutoModelForCausalLM
-
+    config = hf_config(cfg)
     with _parameters_on_meta():
-        model = AutoModelForCausalLM.from_config(hf_config(cfg), dtype=getattr(torch, cfg.dtype))
-    model.config.use_cache = False  # as build_model
-    return model
+        model = auto_class(config).from_config(config, dtype=getattr(torch, cfg.dtype))
+    return _finish(model, cfg)
 
 
 def build_model(cfg: ModelConfig, seed: int) -> nn.Module:
     """Same ``seed`` -> same initial weights on every rank and every layout."""
-    from transformers import AutoModelForCausalLM
-
     dtype = getattr(torch, cfg.dtype)
     torch.manual_seed(seed)
+    config = hf_config(cfg)
     if cfg.pretrained_path is not None:
         overrides = {k: v for k, v in cfg.config.items() if k != "model_type"}
-        model = AutoModelForCausalLM.from_pretrained(cfg.pretrained_path, dtype=dtype, **overrides)
+        model = auto_class(config).from_pretrained(cfg.pretrained_path, dtype=dtype,
+                                                   **overrides)
     else:
-        model = AutoModelForCausalLM.from_config(hf_config(cfg), dtype=dtype)
+        model = auto_class(config).from_config(config, dtype=dtype)
+    return _finish(model, cfg)
+
+
+def _finish(model: nn.Module, cfg: ModelConfig) -> nn.Module:
     # A KV cache in training is wasted memory, and with activation checkpointing it gives
     # wrong losses or crashes: train without it.
     model.config.use_cache = False
+    text_config(model.config).use_cache = False
+    if cfg.freeze:
+        freeze(model, list(cfg.freeze))
     return model

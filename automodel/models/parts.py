@@ -31,7 +31,8 @@ def block_fqns(model: nn.Module) -> list[str]:
     return outer
 
 
-def _group_of(fqn: str) -> str:
+def group_of(fqn: str) -> str:
+    """The layer group of a module or parameter name (from name hints)."""
     lowered = fqn.lower()
     if any(h in lowered for h in _VISION_HINTS):
         return "vision"
@@ -46,7 +47,7 @@ def layer_groups(model: nn.Module) -> dict[str, list[str]]:
     """Blocks by group: {"language": [...], "vision": [...], ...}; only non-empty groups."""
     groups: dict[str, list[str]] = {}
     for fqn in block_fqns(model):
-        groups.setdefault(_group_of(fqn), []).append(fqn)
+        groups.setdefault(group_of(fqn), []).append(fqn)
     return groups
 
 

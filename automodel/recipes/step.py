@@ -184,17 +184,20 @@ def train_step(model, setup: DistributedSetup, micro_batches, max_grad_norm,
     logged as ``aux_loss``, and ``loss`` stays the token cross-entropy."""
     device = setup.device
     group = setup.loss_group
-    batches = [sequence_shard(to_device(x, device), to_device(y, device), setup)
-               for x, y in micro_batches]
-    global_tokens = count_global_tokens([y for _, y, _ in batches], setup)
+    batches = []
+    for x, y, *rest in micro_batches:  # (inputs, labels[, extras such as pixel_values])
+        extras = {k: to_device(v, device) for k, v in (rest[0] if rest else {}).items()}
+        batches.append((*sequence_shard(to_device(x, device), to_device(y, device), setup),
+                        extras))
+    global_tokens = count_global_tokens([b[1] for b in batches], setup)
     # (dp * cp) / global_tokens in float64 (as a Python float would be), rounded once to the
     # loss's float32
     scale = (full(setup.grad_average_size, device) / global_tokens).to(torch.float32)
     sums = torch.zeros(2, dtype=torch.float64, device=device)  # [loss sum, aux sum]
-    sequences = setup.dp_size * sum(x.shape[0] for x, _ in micro_batches)  # global batch
+    sequences = setup.dp_size * sum(mb[0].shape[0] for mb in micro_batches)  # global batch
     extra_args = {"output_router_logits": True} if router_loss is not None else {}
     cp_group = setup.cp.group if setup.cp is not None else None
-    for i, (inputs, labels, positions) in enumerate(batches):
+    for i, (inputs, labels, positions, extras) in enumerate(batches):
         # Positions explicitly: under sequence or context parallelism a model would
         # otherwise derive them from its local shard of the sequence.
         positions = positions.expand_as(inputs)
@@ -202,7 +205,7 @@ def train_step(model, setup: DistributedSetup, micro_batches, max_grad_norm,
             with grad_sync_context(model, setup, i == len(batches) - 1):
                 with autocast_context(setup), unpacked_sequences():
                     out = model(input_ids=inputs, position_ids=positions, use_cache=False,
-                                **extra_args)
+                                **extras, **extra_args)
                 mb_loss = F.cross_entropy(out.logits.float().flatten(0, 1), labels.flatten(),
                                           ignore_index=IGNORE_INDEX, reduction="sum")
                 objective = mb_loss * scale

@@ -18,7 +18,7 @@ from automodel.checkpoint.manager import Checkpointer
 from automodel.checkpoint.paths import checkpoint_root, complete_checkpoints
 from automodel.config.resolve import TrainConfig
 from automodel.data.batches import BatchPlan
-from automodel.data.sources import token_sequences
+from automodel.data.sources import training_rows
 from automodel.distributed.context_parallel import build_context_parallel
 from automodel.distributed.init import (
     DistInfo,
@@ -30,12 +30,13 @@ from automodel.distributed.materialize import (
     full_initial_state,
     load_slices,
     materialize,
+    names_match,
     safetensors_files,
 )
 from automodel.distributed.megatron_fsdp import apply_megatron_fsdp
 from automodel.distributed.mesh import MeshAxis, build_mesh
 from automodel.distributed.patches import patch_is_packed_sequence
-from automodel.distributed.setup import DistributedSetup
+from automodel.distributed.setup import DistributedSetup, named_hook
 from automodel.faults import Faults
 from automodel.launch.errors import TrainingStopped
 from automodel.launch.signals import StopSignal
@@ -100,7 +101,8 @@ def build_setup(cfg: TrainConfig, info: DistInfo) -> DistributedSetup:
         activation_checkpointing=cfg.activation_checkpointing,
         activation_checkpointing_scope=cfg.activation_checkpointing_scope,
         mp_policy=cfg.mp_policy, offload_policy=cfg.offload_policy, pipeline=cfg.pipeline,
-        cp=build_context_parallel(mesh))
+        cp=build_context_parallel(mesh),
+        pre_shard_hook=named_hook(getattr(cfg.parallelism, "pre_shard_hook", None)))
 
 
 def train(cfg: TrainConfig, info: DistInfo) -> list[dict]:
@@ -119,8 +121,8 @@ def _train(cfg: TrainConfig, info: DistInfo, output_dir: str) -> list[dict]:
     if getattr(cfg.parallelism, "patch_is_packed_sequence", False):
         patch_is_packed_sequence()
     model, fill = _initial_model(cfg, info)
-    vocab = model.config.vocab_size
     n_params = sum(p.numel() for p in model.parameters())
+    n_frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
     model_config = model.config.to_dict()
     router_loss = RouterLoss.of(model)
     parallel = parallelize(model, setup, fill)
@@ -131,7 +133,7 @@ def _train(cfg: TrainConfig, info: DistInfo, output_dir: str) -> list[dict]:
         model = parallel.parts[0]
     scheduler = Schedulers(optimizer, cfg.optim, cfg.trainer.max_steps)
     t = cfg.trainer
-    plan = BatchPlan(token_sequences(cfg.data_source, cfg.data, t.seq_len, vocab),
+    plan = BatchPlan(training_rows(cfg.data_source, cfg.data, t.seq_len, cfg.model),
                      t.global_batch_size, t.seed)
     pipeline = (PipelineStep(parallel, setup, t.global_batch_size // setup.dp_size)
                 if setup.pp_enabled else None)
@@ -144,6 +146,9 @@ def _train(cfg: TrainConfig, info: DistInfo, output_dir: str) -> list[dict]:
              setup.size(MeshAxis.PP),
              type(model).__name__, n_params / 1e6, t.max_steps, t.global_batch_size, t.seq_len,
              micro, output_dir)
+    if n_frozen:
+        log.info("model.freeze=%s: %.2fM of %.2fM parameters frozen (not in the optimizer)",
+                 list(cfg.model.freeze), n_frozen / 1e6, n_params / 1e6)
     faults = Faults(info.rank)
     checkpointer = Checkpointer(checkpoint_root(cfg.checkpoint.dir, output_dir),
                                 cfg.checkpoint.keep_last, info.rank, faults)
@@ -233,8 +238,11 @@ def _initial_model(cfg: TrainConfig, info: DistInfo):
     seed = cfg.trainer.seed
     if not dist.is_initialized():
         return build_model(cfg.model, seed).to(info.device), None
+    model = build_meta_model(cfg.model)
     files = (safetensors_files(cfg.model.pretrained_path) if cfg.model.pretrained_path
              else None)
+    if files is not None and not names_match(model, files):
+        files = None  # stored under other names: rank 0 loads it with from_pretrained
 
     def fill(parts):
         if files is not None:
@@ -243,7 +251,7 @@ def _initial_model(cfg: TrainConfig, info: DistInfo):
         else:
             materialize(parts, info.device, lambda: full_initial_state(cfg.model, seed))
 
-    return build_meta_model(cfg.model), fill
+    return model, fill
 
 
 def _nonfinite(number: int, loss: float, grad_norm: float, policy: str, saved_step: int):
