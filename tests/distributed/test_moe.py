@@ -82,14 +82,16 @@ def test_qwen3_moe_in_other_layouts(name, reference, tmp_path):
     assert_moe_matches(records, reference("model=qwen3_moe_tiny", *model))
 
 
-def test_checkpoint_resumes_from_ep2_under_ep1(tmp_path):
+@pytest.mark.parametrize("source,target", [(["mesh.ep_size=2"], []),
+                                           ([], ["mesh.ep_size=2"])])
+def test_checkpoint_resumes_across_ep_layouts(source, target, tmp_path):
+    # experts are stored as one [num_experts, ...] tensor per weight whatever the split
     run = FSDP2 + ["model=qwen3_moe_tiny", "mesh.dp_size=2", "trainer.max_steps=6",
                    "checkpoint.every_steps=3"]
-    ep2 = run + ["mesh.ep_size=2"]
-    full = train(ep2, tmp_path / "full")
-    train(ep2 + ["trainer.stop_at_step=3"], tmp_path / "split")
+    full = train(run + source, tmp_path / "full")
+    train(run + source + ["trainer.stop_at_step=3"], tmp_path / "split")
     ckpt = checkpoint_path(str(tmp_path / "split" / "checkpoints"), 3)
-    resumed = train(run + [f"checkpoint.resume={ckpt}"], tmp_path / "resumed")  # ep 1
+    resumed = train(run + target + [f"checkpoint.resume={ckpt}"], tmp_path / "resumed")
     assert_continues(resumed, full)
 
 
