@@ -8,7 +8,9 @@
     filled only now; before DDP's wrapping, after FSDP2's)
 
 Expert parallelism's experts are FSDP2-sharded on their own mesh (``ep_shard``), before
-their block.
+their block; fully frozen blocks follow ``multimodal.frozen_sharding``
+(``distributed/frozen.py``). Megatron-FSDP wraps the model together with its optimizer, in the
+runner (``distributed/megatron_fsdp.py``).
 """
 
 from __future__ import annotations

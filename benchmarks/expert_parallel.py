@@ -73,12 +73,11 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import finish  # noqa: E402
+from benchmarks.common import finish, run_ranks  # noqa: E402
 from benchmarks.common import reset_peak as _reset_peak  # noqa: E402
 from benchmarks.common import status as _status  # noqa: E402
 
@@ -195,17 +194,8 @@ def overrides(args, ep: int) -> list[str]:
 
 
 def measure(args, ep: int) -> dict:
-    from automodel.api import load_config
-    from automodel.launch.local import run_on_local_ranks
-    from automodel.launch.preflight import check_model_layout
-    from automodel.launch.support import check_runtime_support
-
-    cfg = load_config(overrides(args, ep), output_dir=tempfile.mkdtemp(prefix="epb-"))
-    check_runtime_support(cfg)
-    check_model_layout(cfg)
-    nproc = cfg.distributed.nproc_per_node
-    results = run_on_local_ranks(rank_entry, nproc, cfg, name="epbench")
-    ranks = [results[r] for r in sorted(results)]
+    ranks = run_ranks(overrides(args, ep), rank_entry, name="epbench")
+    nproc = len(ranks)
     records = ranks[0]["records"]
     after = slice(args.warmup, None)  # the steps after the warmup
     per_rank = []

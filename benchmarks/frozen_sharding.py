@@ -83,7 +83,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import finish  # noqa: E402
+from benchmarks.common import finish, run_ranks  # noqa: E402
 from benchmarks.common import reset_peak as _reset_peak  # noqa: E402
 from benchmarks.common import status as _status  # noqa: E402
 
@@ -213,18 +213,8 @@ def overrides(args, policy: str, ranks: int) -> list[str]:
 
 
 def measure(args, policy: str, ranks: int) -> dict:
-    from automodel.api import load_config
-    from automodel.launch.local import run_on_local_ranks
-    from automodel.launch.preflight import check_model_layout
-    from automodel.launch.support import check_runtime_support
-
-    cfg = load_config(overrides(args, policy, ranks),
-                      output_dir=tempfile.mkdtemp(prefix="frozenb-"))
-    check_runtime_support(cfg)
-    check_model_layout(cfg)
-    nproc = cfg.distributed.nproc_per_node
-    results = run_on_local_ranks(rank_entry, nproc, cfg, name="frozenbench")
-    out = [results[r] for r in sorted(results)]
+    out = run_ranks(overrides(args, policy, ranks), rank_entry, name="frozenbench")
+    nproc = len(out)
     records = out[0]["records"]
     after = slice(args.warmup, None)  # the steps after the warmup
     per_rank = []

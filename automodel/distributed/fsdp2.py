@@ -83,11 +83,14 @@ def apply_fsdp2(model: nn.Module, block_fqns: list[str], mesh: DeviceMesh, opts:
 
 def set_prefetch(blocks: list[nn.Module], forward_depth: int, backward_depth: int) -> None:
     """Explicit prefetch chains: in forward each block all-gathers the next ``forward_depth``;
-    in backward each block all-gathers the ``backward_depth`` blocks before it."""
+    in backward each block all-gathers the ``backward_depth`` blocks before it that run a
+    backward (fully frozen blocks, such as a frozen vision tower, do not)."""
     for i, block in enumerate(blocks):
         nxt = blocks[i + 1:i + 1 + forward_depth]
         if nxt and forward_depth > 0:
             block.set_modules_to_forward_prefetch(nxt)
-        prev = list(reversed(blocks[max(0, i - backward_depth):i]))
+    trained = [b for b in blocks if any(p.requires_grad for p in b.parameters())]
+    for i, block in enumerate(trained):
+        prev = list(reversed(trained[max(0, i - backward_depth):i]))
         if prev and backward_depth > 0:
             block.set_modules_to_backward_prefetch(prev)
