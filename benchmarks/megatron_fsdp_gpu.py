@@ -1,9 +1,10 @@
 """parallelism=megatron_fsdp against FSDP2 on ONE NVIDIA GPU: losses, grad norms, speed, memory,
 and checkpoints (save, resume, resume into FSDP2).
 
-Prepared for a machine with a GPU (megatron-fsdp needs CUDA; see
-``../shared/reference/gpu-facts.md`` for running the project where torch is 2.11: wheels for
-hydra-core, omegaconf, antlr4 and megatron-fsdp in ``/tmp/site``, ``PYTHONPATH=/tmp/site:$PWD``).
+Prepared for a machine with a GPU (megatron-fsdp needs CUDA). Where the GPU machine's Python
+lacks the project's dependencies, bring them as wheels (hydra-core, omegaconf, antlr4,
+megatron-fsdp), install them with ``pip install --no-deps --target /tmp/site`` and run with
+``PYTHONPATH=/tmp/site:$PWD`` (see ``benchmarks/README.md``, gpu_throughput.py).
 World size 1 throughout (``distributed.nproc_per_node=1``: the rank runs in-process).
 
     python benchmarks/megatron_fsdp_gpu.py                      # ~1B Llama, 12 steps each

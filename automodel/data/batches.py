@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+IGNORE_INDEX = -100  # a label position with nothing to learn (cross-entropy skips it)
+
 
 class BatchPlan:
     def __init__(self, sequences: torch.Tensor, global_batch_size: int, seed: int):

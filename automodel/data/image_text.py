@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-IGNORE_INDEX = -100
+from automodel.data.batches import IGNORE_INDEX
 
 
 @dataclass

@@ -115,17 +115,12 @@ class ContextParallel:
     ulysses_rank: int
     ring_group: object = None
     ulysses_group: object = None
-    cp_group: object = None
+    cp_group: object = None  # all cp ranks of this rank's sequences
     _index_cache: dict = field(default_factory=dict, repr=False)  # positions, masks
 
     @property
     def size(self) -> int:
         return self.ring_size * self.ulysses_size
-
-    @property
-    def group(self):
-        """All cp ranks of this rank's sequences (set by ``build_context_parallel``)."""
-        return self.cp_group
 
     @property
     def rank(self) -> int:

@@ -99,9 +99,10 @@ def names_match(model: nn.Module, files: dict[str, str]) -> bool:
     names. Some families store others (LLaVA: ``language_model.model.*`` for the module
     ``model.language_model.*``) and rename them while loading; those are loaded whole by
     rank 0 (``materialize``) instead of sliced."""
-    names = {n for n, _ in model.named_parameters()}
-    tied = {n for n, _ in model.named_parameters(remove_duplicate=False)} - names
-    return names <= set(files) or (names - set(files)) <= tied
+    names: dict[int, list[str]] = {}  # every name of each parameter (tied ones have several)
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(_clean(name))
+    return all(any(n in files for n in found) for found in names.values())
 
 
 @torch.no_grad()

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import importlib.util
 
-ZERO_DP_STRATEGIES = {0: "no_shard", 1: "optim", 2: "optim_grads", 3: "optim_grads_params"}
 _SAME_NAME = ("overlap_grad_reduce", "overlap_param_gather", "average_in_collective",
               "calculate_per_token_loss", "disable_bucketing", "fsdp_double_buffer", "nccl_ub",
               "keep_fp8_transpose_cache", "report_nan_in_param_grad")
@@ -62,7 +61,9 @@ def refusal(gpus: int, backend: str | None) -> str | None:
 
 def zero_dp_strategy(value) -> str:
     """The library's name for ``parallelism.zero_dp_strategy`` (validated before)."""
-    return ZERO_DP_STRATEGIES.get(value, value)
+    from automodel.config.validate import MEGATRON_ZERO_STRATEGIES
+
+    return MEGATRON_ZERO_STRATEGIES.get(value, value)
 
 
 def unit_module_classes(model, paths) -> list[type]:

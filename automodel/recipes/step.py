@@ -24,10 +24,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from automodel.data.batches import IGNORE_INDEX
 from automodel.distributed.setup import DistributedSetup
 from automodel.recipes.router_loss import RouterLoss
-
-IGNORE_INDEX = -100
 
 
 class StepStats(NamedTuple):
@@ -196,7 +195,7 @@ def train_step(model, setup: DistributedSetup, micro_batches, max_grad_norm,
     sums = torch.zeros(2, dtype=torch.float64, device=device)  # [loss sum, aux sum]
     sequences = setup.dp_size * sum(mb[0].shape[0] for mb in micro_batches)  # global batch
     extra_args = {"output_router_logits": True} if router_loss is not None else {}
-    cp_group = setup.cp.group if setup.cp is not None else None
+    cp_group = setup.cp.cp_group if setup.cp is not None else None
     for i, (inputs, labels, positions, extras) in enumerate(batches):
         # Positions explicitly: under sequence or context parallelism a model would
         # otherwise derive them from its local shard of the sequence.
