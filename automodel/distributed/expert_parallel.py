@@ -76,7 +76,6 @@ class ExpertPlacement:
 
     num_experts: int
     ep_size: int
-    ep_rank: int
     group: object
     grad_scale: float = 1.0  # applied to the local expert weights' gradients
 
@@ -132,8 +131,8 @@ def apply_ep(part: nn.Module, ep_mesh: DeviceMesh) -> list[nn.Module]:
     modules = list(expert_modules(part).values())
     ep = ep_mesh.size()
     for module in modules:
-        placement = ExpertPlacement(module.num_experts, ep, ep_mesh.get_local_rank(),
-                                    ep_mesh.get_group(), grad_scale=1.0 / ep)
+        placement = ExpertPlacement(module.num_experts, ep, ep_mesh.get_group(),
+                                    grad_scale=1.0 / ep)
         for name, p in list(module.named_parameters(recurse=False)):
             module.register_parameter(name, nn.Parameter(
                 distribute_tensor(p.data, ep_mesh, [Shard(0)], src_data_rank=None),

@@ -29,10 +29,6 @@ class DistributedSetup:
     cp: Optional[ContextParallel] = None  # the sequence is split over cp ranks
 
     @property
-    def cp_enabled(self) -> bool:
-        return self.cp is not None
-
-    @property
     def ep_enabled(self) -> bool:
         return self.mesh is not None and self.mesh.moe is not None
 
