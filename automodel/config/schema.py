@@ -72,9 +72,18 @@ class DDPConfig(CommonOptions):
 
 
 @dataclass
+class VisionConfig:
+    """``parallelism.multimodal.vision``: how FSDP2 shards an image-text model's vision tower
+    (its blocks that are sharded at all: trainable ones, or frozen ones under ``per_layer``)."""
+
+    unit: str = "layer"  # layer: each tower block its own unit | tower: the tower one unit
+    reshard_after_forward: Optional[bool] = None  # null = as the language blocks
+
+
+@dataclass
 class MultimodalConfig:
     frozen_sharding: str = "root"  # root | per_layer | replicate
-    vision: Dict[str, Any] = field(default_factory=dict)
+    vision: VisionConfig = field(default_factory=VisionConfig)
 
 
 @dataclass
@@ -190,6 +199,8 @@ class FilesDataConfig:
     paths: List[str] = field(default_factory=list)
     text_key: str = "text"
     tokenizer_path: Optional[str] = None  # local directory for ``AutoTokenizer``; null = bytes
+    # (an image-text model: its processor's directory; null = model.pretrained_path)
+    image_key: str = "image"  # image-text models: a .jsonl record's image path(s)
 
 
 @dataclass

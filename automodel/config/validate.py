@@ -15,13 +15,15 @@ from typing import List
 from automodel.config import schema as s
 from automodel.config.build import ConfigError
 from automodel.launch.env import LaunchEnv
+from automodel.models.parts import LAYER_GROUPS
 from automodel.models.tp_styles import style_problem
 
 log = logging.getLogger(__name__)
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16", "float64")
 
-AC_SCOPES = ("language", "vision", "audio", "multimodal")
+AC_SCOPES = LAYER_GROUPS  # models/parts.py: the layer groups a model is split into
+VISION_UNITS = ("layer", "tower")
 # Strategies that need more than one data-parallel rank to mean anything (default dp = 2).
 MULTI_RANK_STRATEGIES = ("ddp", "fsdp2", "megatron_fsdp")
 
@@ -247,6 +249,11 @@ def check_ac_and_strategy(strategy: str, par, mesh: s.MeshConfig):
             raise ConfigError(f"parallelism.multimodal.frozen_sharding="
                               f"{par.multimodal.frozen_sharding!r}: allowed: root, per_layer, "
                               "replicate")
+        if par.multimodal.vision.unit not in VISION_UNITS:
+            raise ConfigError(f"parallelism.multimodal.vision.unit="
+                              f"{par.multimodal.vision.unit!r}: allowed: "
+                              f"{', '.join(VISION_UNITS)} (each tower block its own FSDP2 unit, "
+                              "or the whole tower one unit)")
     if strategy in ("fsdp2", "megatron_fsdp") and par.sequence_parallel and mesh.tp_size == 1:
         log.warning("parallelism.sequence_parallel=true has no effect with mesh.tp_size=1")
     return mode, scope

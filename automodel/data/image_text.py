@@ -1,84 +1,124 @@
-"""Image-text samples: token sequences with the model's image tokens, and their images.
+"""Image-text samples: token sequences holding the model's image tokens, and their images.
 
-The text comes from the configured source (``data=corpus`` or ``synthetic``). A sample with
-an image holds, right after its first token, one run of the model's image token as long as
-one image's features (``models/multimodal.tokens_per_image``); the model puts the image
-features there. Labels never ask to predict an image token (they are
-``IGNORE_INDEX``). Samples without an image are plain text: every ``image_every``-th sample
-has an image (1: all of them; 0: none), so batches mixing both, and whole batches without
-images, occur.
+A sample is a row of ``seq_len + 1`` token ids (the first ``length`` are real, the rest
+padding) and the images whose features fill its runs of image tokens, in order. Images are
+kept as references (a seed, or a file path) and turned into the model's own image inputs
+(``pixel_values`` and, for some families, ``image_grid_thw``) only when a micro-batch is
+built, so the host holds the pixels of one micro-batch at a time.
+
+Labels never ask to predict an image token or padding (they are ``IGNORE_INDEX``). Samples
+without images are plain text; batches mixing both, and whole micro-batches without any
+image, occur (``data.image_every``, or a file's records without an image).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
 from automodel.data.batches import IGNORE_INDEX
 
 
+@dataclass(frozen=True)
+class ImageFormat:
+    """How one model takes images (``models/multimodal.py`` reads it from the model)."""
+
+    image_token_id: int
+    load: Callable[[Any], dict]  # an image reference -> its model inputs (dim 0 concatenates)
+    placeholder: tuple  # (token ids of a sample holding one image, that image's reference)
+    token_masks: tuple = ()  # inputs marking image-token positions (IMAGE_TOKEN_MASKS)
+    model_positions: bool = False  # the model derives its own positions from the images
+
+
 @dataclass
 class ImageTextData:
     sequences: torch.Tensor  # [n, seq_len + 1] token ids
-    images: torch.Tensor  # [n, C, H, W] (zeros where has_image is False)
-    has_image: torch.Tensor  # [n] bool
-    image_token_id: int
-    tokens_per_image: int
+    lengths: torch.Tensor  # [n] real tokens per row; the rest is padding
+    images: list  # per row: a tuple of image references, in the order of their image tokens
+    fmt: ImageFormat
 
     def __len__(self) -> int:
         return self.sequences.shape[0]
 
+    @property
+    def has_image(self) -> torch.Tensor:
+        return torch.tensor([bool(refs) for refs in self.images], dtype=torch.bool)
+
     def __getitem__(self, index) -> "ImageTextData":
         """The rows ``index`` (a slice or an index tensor) selects."""
-        return ImageTextData(self.sequences[index], self.images[index], self.has_image[index],
-                             self.image_token_id, self.tokens_per_image)
+        picked = (self.images[index] if isinstance(index, slice)
+                  else [self.images[i] for i in torch.as_tensor(index).tolist()])
+        return ImageTextData(self.sequences[index], self.lengths[index], picked, self.fmt)
 
     def split(self) -> tuple[torch.Tensor, torch.Tensor, dict]:
-        """(inputs, labels, extras) of these rows: ``pixel_values`` for the rows with an image,
-        in row order (the order the model meets their image tokens).
+        """(inputs, labels, extras) of these rows; extras hold the images' model inputs in row
+        order (the order the model meets their image tokens), the image-token masks the model
+        takes, and ``position_ids=None`` where the model derives its own positions.
 
         Rows without any image get one placeholder row appended: a blank image and its image
         tokens, with no label to learn. So every micro-batch runs the vision tower and the
         projector, and every rank reduces the same gradients (a rank skipping them would leave
         the others waiting in FSDP2 or DDP); the placeholder adds nothing to the loss and
         zeros to the gradients."""
-        rows = self
-        if not bool(self.has_image.any()):
-            rows = self._with_placeholder()
+        rows = self if any(self.images) else self._with_placeholder()
+        fmt = self.fmt
         inputs = rows.sequences[:, :-1].contiguous()
         labels = rows.sequences[:, 1:].clone()
-        labels[labels == self.image_token_id] = IGNORE_INDEX
-        if not bool(self.has_image.any()):
-            labels[-1] = IGNORE_INDEX
-        extras = {"pixel_values": rows.images[rows.has_image].contiguous()}
+        labels[labels == fmt.image_token_id] = IGNORE_INDEX
+        position = torch.arange(labels.shape[1])
+        labels[position >= (rows.lengths - 1).unsqueeze(1)] = IGNORE_INDEX
+        loaded = [fmt.load(ref) for refs in rows.images for ref in refs]
+        extras: dict = {key: torch.cat([image[key] for image in loaded]) for key in loaded[0]}
+        for key in fmt.token_masks:
+            extras[key] = (inputs == fmt.image_token_id).long()
+        if fmt.model_positions:
+            extras["position_ids"] = None
         return inputs, labels, extras
 
     def _with_placeholder(self) -> "ImageTextData":
+        tokens, ref = self.fmt.placeholder
         row = torch.zeros_like(self.sequences[:1])
-        row[0, 1:1 + self.tokens_per_image] = self.image_token_id
+        row[0, :len(tokens)] = tokens
         return ImageTextData(torch.cat([self.sequences, row]),
-                             torch.cat([self.images, torch.zeros_like(self.images[:1])]),
-                             torch.cat([self.has_image, torch.ones(1, dtype=torch.bool)]),
-                             self.image_token_id, self.tokens_per_image)
+                             torch.cat([self.lengths, torch.zeros(1, dtype=self.lengths.dtype)]),
+                             [*self.images, (ref,)], self.fmt)
 
 
-def add_images(sequences: torch.Tensor, image_token_id: int, tokens_per_image: int,
-               image_shape: tuple, seed: int, image_every: int = 1) -> ImageTextData:
+def synthetic_format(config, meta_model, seed: int) -> tuple[ImageFormat, int]:
+    """The format of generated images for ``config``'s model (image ``i`` of the data: random
+    pixels from ``seed + i``), and how many image tokens one image takes."""
+    from automodel.models import multimodal as mm
+
+    blank = mm.synthetic_image(config, None)
+    count = mm.tokens_per_image(meta_model, blank)
+    token = mm.image_token_id(config)
+    inputs = mm.forward_inputs(meta_model)
+    fmt = ImageFormat(
+        image_token_id=token,
+        load=lambda ref: mm.synthetic_image(config, None if ref is None else seed + ref),
+        placeholder=(torch.tensor([0] + [token] * count), None),
+        token_masks=tuple(k for k in mm.IMAGE_TOKEN_MASKS if k in inputs),
+        model_positions=mm.derives_positions(meta_model))
+    return fmt, count
+
+
+def add_images(sequences: torch.Tensor, fmt: ImageFormat, tokens_per_image: int,
+               image_every: int = 1) -> ImageTextData:
     """Image-text samples from token rows ``[n, seq_len + 1]``: every ``image_every``-th row
-    gets a random image (from ``seed``) and the run of image tokens after its first token;
-    text tokens equal to the image token are moved to the next id."""
+    gets an image (reference: its row number) and the run of its image tokens after its first
+    token; text tokens equal to the image token are moved to the next id."""
     num, length = sequences.shape
+    token = fmt.image_token_id
     if image_every and tokens_per_image + 2 > length:
         raise ValueError(f"trainer.seq_len={length - 1} cannot hold an image of "
                          f"{tokens_per_image} tokens and text around it; use trainer.seq_len "
                          f">= {tokens_per_image + 1}")
     sequences = sequences.clone()
-    sequences[sequences == image_token_id] = image_token_id - 1 if image_token_id else 1
-    has_image = torch.zeros(num, dtype=torch.bool)
-    if image_every:
-        has_image[::image_every] = True
-    sequences[has_image, 1:1 + tokens_per_image] = image_token_id
-    gen = torch.Generator().manual_seed(seed)
-    images = torch.randn(num, *image_shape, generator=gen) * has_image.view(-1, 1, 1, 1)
-    return ImageTextData(sequences, images, has_image, image_token_id, tokens_per_image)
+    sequences[sequences == token] = token - 1 if token else 1
+    images = [(i,) if image_every and i % image_every == 0 else () for i in range(num)]
+    for i, refs in enumerate(images):
+        if refs:
+            sequences[i, 1:1 + tokens_per_image] = token
+    return ImageTextData(sequences, torch.full((num,), length), images, fmt)

@@ -79,18 +79,25 @@ def token_sequences(source: str, data, seq_len: int, model_vocab: int) -> torch.
 
 def training_rows(source: str, data, seq_len: int, model_cfg):
     """What ``BatchPlan`` draws from for the model ``model_cfg`` (a ``ModelConfig``): token
-    rows, or for an image-text model those rows with images (``data.image_every``)."""
-    from automodel.data.image_text import add_images
+    rows, or for an image-text model samples with images: generated ones on the text of
+    ``corpus``/``synthetic`` (``data.image_every``), or those of ``files`` through the model's
+    processor (``data/image_files.py``)."""
+    from automodel.data import image_text
     from automodel.models import multimodal as mm
     from automodel.models.builder import build_meta_model
 
     meta = build_meta_model(model_cfg)  # structure only: no weights are allocated
-    rows = token_sequences(source, data, seq_len, mm.text_config(meta.config).vocab_size)
     if not mm.is_image_text(meta.config):
-        return rows
+        return token_sequences(source, data, seq_len, mm.text_config(meta.config).vocab_size)
     if source == "files":
-        raise ValueError(f"data=files with the image-text model {type(meta).__name__}: in "
-                         "this version image-text models train on data=corpus or synthetic "
-                         "text with generated images")
-    return add_images(rows, mm.image_token_id(meta.config), mm.tokens_per_image(meta),
-                      mm.image_shape(meta.config), data.seed, data.image_every)
+        from automodel.data.image_files import read_image_text
+
+        processor_dir = data.tokenizer_path or model_cfg.pretrained_path
+        if processor_dir is None:
+            raise ValueError(f"data=files with the image-text model {type(meta).__name__} "
+                             "needs the model's processor: set data.tokenizer_path to its "
+                             "directory (or train model=pretrained, whose directory holds it)")
+        return read_image_text(data, seq_len, meta, processor_dir)
+    rows = token_sequences(source, data, seq_len, mm.text_config(meta.config).vocab_size)
+    fmt, count = image_text.synthetic_format(meta.config, meta, data.seed)
+    return image_text.add_images(rows, fmt, count, data.image_every)

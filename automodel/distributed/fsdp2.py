@@ -17,6 +17,8 @@ from torch.distributed.fsdp import (
 from automodel.config.policies import POLICY_FIELDS, PolicySpec
 from automodel.config.schema import FSDP2Config
 from automodel.distributed.frozen import plan_units
+from automodel.distributed.patches import keep_output_recording
+from automodel.models.parts import group_of, vision_tower
 
 log = logging.getLogger(__name__)
 _CLASSES = {"MixedPrecisionPolicy": MixedPrecisionPolicy, "CPUOffloadPolicy": CPUOffloadPolicy,
@@ -59,6 +61,9 @@ def apply_fsdp2(model: nn.Module, block_fqns: list[str], mesh: DeviceMesh, opts:
     common = {"mesh": mesh, "mp_policy": mp_policy,
               "offload_policy": offload_policy or OffloadPolicy()}
     expert_modules, expert_mesh = experts or ([], None)
+    vision = opts.multimodal.vision
+    if vision.unit == "tower":
+        block_fqns = tower_as_one_unit(model, block_fqns)
     block_fqns, ignored = plan_units(model, block_fqns, opts.multimodal.frozen_sharding)
     if ignored:
         common["ignored_params"] = ignored
@@ -66,19 +71,40 @@ def apply_fsdp2(model: nn.Module, block_fqns: list[str], mesh: DeviceMesh, opts:
     for i, fqn in enumerate(block_fqns):
         block = model.get_submodule(fqn)
         reshard = reshard_after_forward_for(i, len(block_fqns), opts, pp_enabled)
+        if vision.reshard_after_forward is not None and group_of(fqn) == "vision":
+            reshard = vision.reshard_after_forward
         for module in expert_modules:
             if any(m is module for m in block.modules()):
                 own = opts.moe.reshard_after_forward
                 fully_shard(module, reshard_after_forward=reshard if own is None else own,
                             **{**common, "mesh": expert_mesh})
+        original = type(block)
         fully_shard(block, reshard_after_forward=reshard, **common)
+        keep_output_recording(block, original)  # (a whole tower is a transformers model)
         blocks.append(block)
-    root_reshard = (opts.reshard_after_forward if opts.reshard_after_forward is not None
-                    else (not pp_enabled))
+    # The root (embeddings, final norm, head; under frozen_sharding=root a frozen tower): kept
+    # gathered from forward into backward unless asked otherwise. Its head runs first in
+    # backward, so resharding it after forward would only gather it again at once.
+    root_reshard = opts.reshard_after_forward if opts.reshard_after_forward is not None else (
+        False if pp_enabled else None)  # None: FSDP2's own choice for a root (keep it)
     fully_shard(model, reshard_after_forward=root_reshard, **common)
     if opts.enable_fsdp2_prefetch:
         set_prefetch(blocks, opts.fsdp2_forward_prefetch_depth, opts.fsdp2_backward_prefetch_depth)
     return blocks
+
+
+def tower_as_one_unit(model: nn.Module, block_fqns: list[str]) -> list[str]:
+    """``multimodal.vision.unit=tower``: the vision blocks replaced by their tower, in the
+    place of the first (one all-gather for the whole tower instead of one per block)."""
+    tower = vision_tower(model)
+    if tower is None:
+        return block_fqns
+    inside = [f for f in block_fqns if f.startswith(tower + ".")]
+    if not inside:
+        return block_fqns
+    first = block_fqns.index(inside[0])
+    rest = [f for f in block_fqns if f not in inside]
+    return rest[:first] + [tower] + rest[first:]
 
 
 def set_prefetch(blocks: list[nn.Module], forward_depth: int, backward_depth: int) -> None:

@@ -14,6 +14,7 @@ Gemma 3, ...): what automodel needs to know about them, read from the model itse
 from __future__ import annotations
 
 import fnmatch
+import inspect
 
 import torch
 from torch import nn
@@ -37,23 +38,64 @@ def text_config(config):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
-def image_shape(config) -> tuple[int, int, int]:
-    """(channels, height, width) of one image as the vision tower expects it."""
+def patch_sequence_images(config) -> bool:
+    """Whether the model takes images as flattened patch sequences plus their grid sizes
+    (``pixel_values`` [patches, C*T*P*P] and ``image_grid_thw``: the Qwen2-VL families) rather
+    than fixed-size pixel arrays [1, C, H, W] (LLaVA, Gemma 3, ...)."""
     vc = config.vision_config
+    return all(hasattr(vc, k) for k in ("spatial_merge_size", "temporal_patch_size"))
+
+
+def synthetic_image(config, seed: int | None) -> dict[str, torch.Tensor]:
+    """One image as the model's own inputs take it, of random pixels from ``seed`` (``None``: a
+    blank image). Images of a batch are these inputs concatenated along dimension 0."""
+    vc = config.vision_config
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+
+    def pixels(*shape):
+        return torch.randn(*shape, generator=gen) if gen is not None else torch.zeros(*shape)
+
+    if patch_sequence_images(config):
+        side = 2 * vc.spatial_merge_size  # a grid of 2x2 merged patches: 4 image tokens
+        channels = getattr(vc, "in_channels", None) or getattr(vc, "num_channels", 3)
+        return {"pixel_values": pixels(side * side,
+                                       channels * vc.temporal_patch_size * vc.patch_size ** 2),
+                "image_grid_thw": torch.tensor([[1, side, side]])}
     size = vc.image_size
     height, width = (size, size) if isinstance(size, int) else tuple(size)
-    return getattr(vc, "num_channels", 3), height, width
+    return {"pixel_values": pixels(1, getattr(vc, "num_channels", 3), height, width)}
 
 
 @torch.no_grad()
-def tokens_per_image(meta_model: nn.Module) -> int:
-    """How many image-token positions one image fills: the length of the features the model's
-    own ``get_image_features`` gives for one image (run on the meta device)."""
-    pixels = torch.empty(1, *image_shape(meta_model.config), device="meta")
-    out = meta_model.model.get_image_features(pixel_values=pixels)
+def tokens_per_image(meta_model: nn.Module, image: dict[str, torch.Tensor]) -> int:
+    """How many image-token positions one image (its model inputs) fills: for patch sequences
+    the merged grid (patches / merge_size**2), otherwise the length of the features the model's
+    own ``get_image_features`` gives for it, run on the meta device (no weights, no memory)."""
+    config = meta_model.config
+    if patch_sequence_images(config):
+        return int(image["image_grid_thw"].prod()) // config.vision_config.spatial_merge_size ** 2
+    out = meta_model.model.get_image_features(
+        **{k: v.to("meta") if k == "pixel_values" else v for k, v in image.items()})
     features = getattr(out, "pooler_output", out)
     first = features[0] if isinstance(features, (list, tuple)) else features.flatten(0, -2)
     return int(first.shape[0])
+
+
+def forward_inputs(model: nn.Module) -> set[str]:
+    """The named inputs of the model's ``forward``."""
+    return set(inspect.signature(model.forward).parameters)
+
+
+# Inputs some families take beside the images, marking the image-token positions: Gemma 3's
+# ``token_type_ids`` (image tokens attend to each other both ways), Qwen2-VL's
+# ``mm_token_type_ids`` (image tokens get 3-D rotary positions).
+IMAGE_TOKEN_MASKS = ("token_type_ids", "mm_token_type_ids")
+
+
+def derives_positions(model: nn.Module) -> bool:
+    """Whether the model computes its own (multi-axis rotary) positions from the image grid
+    (Qwen2-VL families): the step must then pass no ``position_ids``."""
+    return callable(getattr(getattr(model, "model", None), "get_rope_index", None))
 
 
 def image_token_id(config) -> int:

@@ -8,7 +8,7 @@ from torch import nn
 LAYER_GROUPS = ("language", "vision", "audio", "multimodal")
 _VISION_HINTS = ("vision", "visual", "image")
 _AUDIO_HINTS = ("audio", "speech")
-_PROJECTOR_HINTS = ("projector", "multi_modal", "multimodal")
+_PROJECTOR_HINTS = ("projector", "multi_modal", "multimodal", "merger")
 
 
 def block_class_names(model: nn.Module) -> set[str]:
@@ -34,12 +34,12 @@ def block_fqns(model: nn.Module) -> list[str]:
 def group_of(fqn: str) -> str:
     """The layer group of a module or parameter name (from name hints)."""
     lowered = fqn.lower()
+    if any(h in lowered for h in _PROJECTOR_HINTS):  # first: Qwen2-VL's projector is
+        return "multimodal"  # model.visual.merger
     if any(h in lowered for h in _VISION_HINTS):
         return "vision"
     if any(h in lowered for h in _AUDIO_HINTS):
         return "audio"
-    if any(h in lowered for h in _PROJECTOR_HINTS):
-        return "multimodal"
     return "language"
 
 
@@ -49,6 +49,27 @@ def layer_groups(model: nn.Module) -> dict[str, list[str]]:
     for fqn in block_fqns(model):
         groups.setdefault(group_of(fqn), []).append(fqn)
     return groups
+
+
+def vision_tower(model: nn.Module) -> str | None:
+    """FQN of the module holding the vision blocks (``model.vision_tower``,
+    ``model.visual``): their closest common ancestor, widened while its parent is still named
+    as vision. None for a model without vision blocks."""
+    blocks = layer_groups(model).get("vision")
+    if not blocks:
+        return None
+    common = blocks[0].split(".")
+    for fqn in blocks[1:]:
+        parts = fqn.split(".")
+        n = 0
+        while n < min(len(common), len(parts)) and common[n] == parts[n]:
+            n += 1
+        common = common[:n]
+    if len(blocks) == 1:
+        common = common[:-1]  # the block's parent, not the block itself
+    while len(common) > 1 and group_of(".".join(common[:-1])) == "vision":
+        common = common[:-1]
+    return ".".join(common) or None
 
 
 def select_blocks(model: nn.Module, scope: list[str], trainable_only: bool = True) -> list[str]:

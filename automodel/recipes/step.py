@@ -185,7 +185,8 @@ def train_step(model, setup: DistributedSetup, micro_batches, max_grad_norm,
     group = setup.loss_group
     batches = []
     for x, y, *rest in micro_batches:  # (inputs, labels[, extras such as pixel_values])
-        extras = {k: to_device(v, device) for k, v in (rest[0] if rest else {}).items()}
+        extras = {k: v if v is None else to_device(v, device)
+                  for k, v in (rest[0] if rest else {}).items()}
         batches.append((*sequence_shard(to_device(x, device), to_device(y, device), setup),
                         extras))
     global_tokens = count_global_tokens([b[1] for b in batches], setup)
@@ -198,13 +199,13 @@ def train_step(model, setup: DistributedSetup, micro_batches, max_grad_norm,
     cp_group = setup.cp.cp_group if setup.cp is not None else None
     for i, (inputs, labels, positions, extras) in enumerate(batches):
         # Positions explicitly: under sequence or context parallelism a model would
-        # otherwise derive them from its local shard of the sequence.
-        positions = positions.expand_as(inputs)
+        # otherwise derive them from its local shard of the sequence. (Image-text extras
+        # set them to None for a model that derives them from its images.)
+        inputs_args = {"position_ids": positions.expand_as(inputs), **extras, **extra_args}
         try:
             with grad_sync_context(model, setup, i == len(batches) - 1):
                 with autocast_context(setup), unpacked_sequences():
-                    out = model(input_ids=inputs, position_ids=positions, use_cache=False,
-                                **extras, **extra_args)
+                    out = model(input_ids=inputs, use_cache=False, **inputs_args)
                 mb_loss = F.cross_entropy(out.logits.float().flatten(0, 1), labels.flatten(),
                                           ignore_index=IGNORE_INDEX, reduction="sum")
                 objective = mb_loss * scale

@@ -133,21 +133,99 @@ def test_resume_and_hf_export(tmp_path):
 
 @pytest.mark.fast
 def test_image_rows_labels_and_placeholder():
-    from automodel.data.image_text import IGNORE_INDEX, add_images
+    from automodel.data.image_text import IGNORE_INDEX, ImageFormat, add_images
 
     rows = torch.arange(40).remainder(9).view(4, 10)  # token 7 doubles as the image token
-    data = add_images(rows, image_token_id=7, tokens_per_image=3, image_shape=(3, 2, 2),
-                      seed=0, image_every=2)
+    fmt = ImageFormat(image_token_id=7, placeholder=(torch.tensor([0, 7, 7, 7]), None),
+                      load=lambda ref: {"pixel_values": torch.full((1, 3, 2, 2),
+                                                                   float(-1 if ref is None
+                                                                         else ref))})
+    data = add_images(rows, fmt, tokens_per_image=3, image_every=2)
     assert data.has_image.tolist() == [True, False, True, False]
     assert (data.sequences[0, 1:4] == 7).all() and (data.sequences[1] != 7).all()
-    inputs, labels, extras = data[0:2].split()
-    assert extras["pixel_values"].shape == (1, 3, 2, 2)
+    inputs, labels, extras = data[torch.tensor([2, 1, 0])].split()
+    assert extras["pixel_values"][:, 0, 0, 0].tolist() == [2, 0]  # row order
     assert (labels[0, :3] == IGNORE_INDEX).all() and (labels[0, 3:] != IGNORE_INDEX).all()
     # rows without any image: a placeholder row with an image and nothing to learn
     inputs, labels, extras = data[1:2].split()
     assert inputs.shape[0] == 2 and extras["pixel_values"].shape[0] == 1
     assert (inputs[1, 1:4] == 7).all() and (labels[1] == IGNORE_INDEX).all()
-    assert not extras["pixel_values"].any()
+    assert (extras["pixel_values"] == -1).all()
+
+
+def _meta(preset):
+    from omegaconf import OmegaConf
+
+    from automodel.config.schema import ModelConfig
+    from automodel.models.builder import build_meta_model
+
+    preset = OmegaConf.load(f"conf/model/{preset}.yaml")
+    preset.pop("defaults")
+    return build_meta_model(OmegaConf.to_object(OmegaConf.merge(
+        OmegaConf.structured(ModelConfig), preset)))
+
+
+@pytest.mark.fast
+def test_vision_tower_as_one_unit():
+    from automodel.distributed.fsdp2 import tower_as_one_unit
+    from automodel.models.parts import block_fqns
+
+    for preset, tower in [("llava_tiny", "model.vision_tower"), ("qwen2_vl_tiny", "model.visual"),
+                          ("gemma3_vl_tiny", "model.vision_tower")]:
+        model = _meta(preset)
+        units = tower_as_one_unit(model, block_fqns(model))
+        assert units[0] == tower and all(u.startswith("model.language_model.") for u in units[1:])
+
+
+@pytest.mark.fast
+def test_qwen2_vl_trains_on_its_own_multi_axis_positions():
+    # The step passes position_ids=None for a model that derives its positions from the images
+    # (Qwen2-VL's 3-D rotary positions): the logits are those of the model's own positions,
+    # not of plain 1-D positions 0..L-1.
+    from transformers import AutoModelForImageTextToText
+
+    from automodel.data.image_text import add_images, synthetic_format
+
+    meta = _meta("qwen2_vl_tiny")
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(meta.config)
+    fmt, count = synthetic_format(meta.config, meta, seed=0)
+    data = add_images(torch.randint(0, 250, (2, 17)), fmt, count)
+    inputs, labels, extras = data.split()
+    assert extras["position_ids"] is None and extras["mm_token_type_ids"].sum() == 2 * count
+    ours = model(input_ids=inputs, **extras).logits
+    own, _ = model.model.get_rope_index(inputs, extras["mm_token_type_ids"],
+                                        extras["image_grid_thw"])
+    args = {k: v for k, v in extras.items() if k != "position_ids"}
+    torch.testing.assert_close(ours, model(input_ids=inputs, position_ids=own, **args).logits)
+    plain = torch.arange(inputs.shape[1]).expand_as(inputs)
+    assert not torch.allclose(ours, model(input_ids=inputs, position_ids=plain, **args).logits)
+
+
+FAMILIES = {"qwen2_vl": ["model=qwen2_vl_tiny", "model.freeze=[vision]"],
+            "gemma3": ["model=gemma3_vl_tiny", "model.freeze=[vision]"]}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_other_families_with_mixed_batches(family, reference, tmp_path):
+    # Qwen2-VL: patch-sequence images with grid sizes, its merger (the projector) trains while
+    # the tower is frozen, multi-axis positions; Gemma 3: image tokens attend both ways
+    # (token_type_ids), sliding-window layers. One rank without images at times; the frozen
+    # tower joins the root unit, the merger's tower is one unit of its own.
+    mixed = FAMILIES[family] + ["data.image_every=2"]
+    records = train(FSDP2 + mixed + ["trainer.local_batch_size=1",
+                                     "parallelism.multimodal.vision.unit=tower"], tmp_path)
+    assert_matches(records, reference(*mixed))
+
+
+def test_trainable_tower_as_one_unit_kept_gathered(reference, tmp_path):
+    # multimodal.vision: the whole (trainable) tower one FSDP2 unit, not resharded after forward
+    run = ["model=llava_tiny", "data.image_every=2"]
+    records = train(FSDP2 + run + ["trainer.local_batch_size=1",
+                                   "parallelism.multimodal.vision.unit=tower",
+                                   "parallelism.multimodal.vision.reshard_after_forward=false"],
+                    tmp_path)
+    assert_matches(records, reference(*run))
 
 
 @pytest.mark.fast
