@@ -15,14 +15,16 @@ from typing import List
 from automodel.config import schema as s
 from automodel.config.build import ConfigError
 from automodel.launch.env import LaunchEnv
-from automodel.models.parts import LAYER_GROUPS
 from automodel.models.tp_styles import style_problem
 
 log = logging.getLogger(__name__)
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16", "float64")
 
-AC_SCOPES = LAYER_GROUPS  # models/parts.py: the layer groups a model is split into
+# The layer groups a model's blocks fall into (models/parts.py assigns them): the scopes of
+# activation checkpointing and the groups model.freeze takes. Here, torch-free, for the checks.
+LAYER_GROUPS = ("language", "vision", "audio", "multimodal")
+AC_SCOPES = LAYER_GROUPS
 VISION_UNITS = ("layer", "tower")
 # Strategies that need more than one data-parallel rank to mean anything (default dp = 2).
 MULTI_RANK_STRATEGIES = ("ddp", "fsdp2", "megatron_fsdp")

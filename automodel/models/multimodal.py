@@ -19,7 +19,8 @@ import inspect
 import torch
 from torch import nn
 
-from automodel.models.parts import LAYER_GROUPS, group_of
+from automodel.config.validate import LAYER_GROUPS
+from automodel.models.parts import group_of
 
 
 def is_image_text(config) -> bool:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from torch import nn
 
-# Layer groups activation checkpointing can be scoped to. Text-only models have "language".
-LAYER_GROUPS = ("language", "vision", "audio", "multimodal")
 _VISION_HINTS = ("vision", "visual", "image")
 _AUDIO_HINTS = ("audio", "speech")
 _PROJECTOR_HINTS = ("projector", "multi_modal", "multimodal", "merger")
