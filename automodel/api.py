@@ -36,10 +36,11 @@ def load_config(overrides: list[str] | None = None, output_dir: str = ".", env=N
 def run(overrides: list[str] | None = None, output_dir: str = "."):
     """Train as ``python train.py <overrides>`` would; returns rank 0's metric records."""
     from automodel.launch.local import launch
-    from automodel.launch.preflight import check_model_layout
+    from automodel.launch.preflight import check_model_layout, prepare_data
     from automodel.launch.support import check_runtime_support
 
     cfg = load_config(overrides, output_dir)
     check_runtime_support(cfg)
     check_model_layout(cfg)
+    prepare_data(cfg)
     return launch(cfg)

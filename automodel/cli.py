@@ -95,9 +95,10 @@ def _run_job(cfg, hc):
                         choices=dict(hc.runtime.choices), overrides=list(hc.overrides.task),
                         sweep_dir=sweep_dir)
     check_runtime_support(train_cfg)
-    from automodel.launch.preflight import check_model_layout  # (imports torch)
+    from automodel.launch.preflight import check_model_layout, prepare_data  # (imports torch)
 
     check_model_layout(train_cfg)
+    prepare_data(train_cfg)
     if train_cfg.launch.kind == "slurm":
         from automodel.launch.slurm import quiet_non_zero_rank
 

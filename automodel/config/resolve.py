@@ -20,6 +20,7 @@ from automodel.config.validate import (
     check_ac_and_strategy,
     check_checkpoint,
     check_data,
+    check_data_with_layout,
     check_distributed,
     check_dtype,
     check_logger,
@@ -45,7 +46,7 @@ STRATEGIES = {  # schema class -> strategy name
 }
 
 DATA_SOURCES = {s.CorpusDataConfig: "corpus", s.SyntheticDataConfig: "synthetic",
-                s.FilesDataConfig: "files"}
+                s.FilesDataConfig: "files", s.HFDataConfig: "hf", s.TokensDataConfig: "tokens"}
 
 
 @dataclass
@@ -62,7 +63,7 @@ class TrainConfig:
     pipeline: Optional[s.PipelineConfig]
     distributed: s.DistributedConfig
     model: s.ModelConfig
-    data_source: str  # corpus | synthetic | files
+    data_source: str  # corpus | synthetic | files | hf | tokens
     data: Any
     optim: s.OptimConfig
     trainer: s.TrainerConfig  # local_batch_size resolved
@@ -176,6 +177,7 @@ def resolve(cfg, env: Optional[Mapping[str, str]] = None, output_dir: str = ".",
         check_pipeline_model(pipeline, mesh, model, trainer)
     data = build(data_cls, plain["data"], "data")
     check_data(DATA_SOURCES[data_cls], data, model)
+    check_data_with_layout(DATA_SOURCES[data_cls], data, trainer, mesh, pipeline, par)
     optim = build(s.OptimConfig, plain["optim"], "optim")
     check_optim(optim)
     logger = build(s.LoggerConfig, plain.get("logger"), "logger")

@@ -180,6 +180,8 @@ class CorpusDataConfig:
     num_documents: int = 20000
     seed: int = 0
     image_every: int = 1  # image-text models: every n-th sample has an image (0: none)
+    pack_boundaries: bool = False  # attention and positions restart at each document
+    eval_fraction: float = 0.0  # the last fraction of the rows, held out for evaluation
 
 
 @dataclass
@@ -190,6 +192,7 @@ class SyntheticDataConfig:
     vocab_size: Optional[int] = None  # null = the model's vocabulary
     seed: int = 0
     image_every: int = 1  # image-text models: every n-th sample has an image (0: none)
+    eval_fraction: float = 0.0
 
 
 @dataclass
@@ -201,6 +204,36 @@ class FilesDataConfig:
     tokenizer_path: Optional[str] = None  # local directory for ``AutoTokenizer``; null = bytes
     # (an image-text model: its processor's directory; null = model.pretrained_path)
     image_key: str = "image"  # image-text models: a .jsonl record's image path(s)
+    pack_boundaries: bool = False
+    eval_fraction: float = 0.0
+
+
+@dataclass
+class HFDataConfig:
+    """A local Hugging Face dataset: a ``save_to_disk`` folder, or parquet / JSON lines /
+    arrow / CSV files; tokenized once into a memory-mapped cache (``data/token_cache.py``)."""
+
+    path: Optional[str] = None  # required
+    split: str = "train"
+    text_field: str = "text"
+    template: Optional[str] = None  # "{instruction}\n{response}": record fields, not text_field
+    tokenizer_path: Optional[str] = None  # local directory for ``AutoTokenizer``; null = bytes
+    cache_dir: Optional[str] = None  # null = $AUTOMODEL_CACHE, else ~/.cache/automodel
+    pack_boundaries: bool = False
+    eval_fraction: float = 0.0
+    eval_split: Optional[str] = None  # a split of its own for evaluation (else eval_fraction)
+
+
+@dataclass
+class TokensDataConfig:
+    """Pre-tokenized: a ``.npy`` array of token ids (and of document start offsets), or a
+    token-cache folder; memory-mapped."""
+
+    path: Optional[str] = None  # required
+    doc_starts_path: Optional[str] = None  # null = one document
+    cache_dir: Optional[str] = None  # where the one-time scan of the arrays is remembered
+    pack_boundaries: bool = False
+    eval_fraction: float = 0.0
 
 
 @dataclass
@@ -236,6 +269,9 @@ class TrainerConfig:
     stop_at_step: Optional[int] = None  # end this run after this step (the schedule still
     # spans max_steps); for splitting a run into time slots
     on_nonfinite: str = "raise"  # a NaN/inf loss or gradient norm: raise (stop) | skip the step
+    eval_every: int = 0  # evaluate on the held-out rows every n steps (and at the end); 0: never
+    eval_batches: Optional[int] = None  # global batches per evaluation; null = all held out
+    prefetch_steps: int = 1  # steps of micro-batches read ahead in a background thread; 0: none
 
 
 # --------------------------------------------------------------------------- tracking

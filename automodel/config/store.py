@@ -26,6 +26,8 @@ SCHEMAS = {
         "corpus": s.CorpusDataConfig,
         "synthetic": s.SyntheticDataConfig,
         "files": s.FilesDataConfig,
+        "hf": s.HFDataConfig,
+        "tokens": s.TokensDataConfig,
     },
     "optim": {"adamw": s.OptimConfig},
     "trainer": {"default": s.TrainerConfig},

@@ -275,6 +275,35 @@ def _check_ac_scope(scope) -> List[str]:
     return list(values)
 
 
+def check_data_with_layout(source: str, data, trainer: s.TrainerConfig, mesh: s.MeshConfig,
+                           pipeline, par) -> None:
+    """Data options that depend on the rest of the layout: packing with document boundaries,
+    and evaluation."""
+    _positive("trainer.eval_every", trainer.eval_every, 0)
+    _positive("trainer.prefetch_steps", trainer.prefetch_steps, 0)
+    if trainer.eval_batches is not None:
+        _positive("trainer.eval_batches", trainer.eval_batches, 1)
+    held_out = data.eval_fraction > 0 or getattr(data, "eval_split", None) is not None
+    if trainer.eval_every and not held_out:
+        raise ConfigError(f"trainer.eval_every={trainer.eval_every} but no data is held out "
+                          "for evaluation: set data.eval_fraction (e.g. 0.05)"
+                          + (" or data.eval_split" if source == "hf" else ""))
+    if not getattr(data, "pack_boundaries", False):
+        return
+    if mesh.cp_size > 1:
+        raise ConfigError(f"data.pack_boundaries=true with mesh.cp_size={mesh.cp_size}: context "
+                          "parallel attention runs its own causal chunks and cannot keep "
+                          "documents apart; set data.pack_boundaries=false or mesh.cp_size=1")
+    if pipeline is not None:
+        raise ConfigError("data.pack_boundaries=true with a pipeline: the stages take their "
+                          "positions from the sequence length, not per document; set "
+                          "data.pack_boundaries=false or pipeline=none")
+    if getattr(par, "patch_is_packed_sequence", False):
+        raise ConfigError("data.pack_boundaries=true with parallelism.patch_is_packed_sequence="
+                          "true: that patch tells transformers no row is packed, which would "
+                          "let documents attend to each other; set one of them to false")
+
+
 def check_data(source: str, data, model: s.ModelConfig) -> None:
     vocab = model.config.get("vocab_size")
     _positive("data.image_every", getattr(data, "image_every", None), 0)
@@ -286,13 +315,31 @@ def check_data(source: str, data, model: s.ModelConfig) -> None:
                 raise ConfigError(f"data.paths contains {p!r}: no such file")
         if data.tokenizer_path is not None and not os.path.isdir(data.tokenizer_path):
             raise ConfigError(f"data.tokenizer_path={data.tokenizer_path!r}: no such directory")
+    if source in ("hf", "tokens"):
+        if data.path is None:
+            raise ConfigError(f"data.path is not set: data={source} needs "
+                              + ("a save_to_disk folder or data files (parquet, jsonl, arrow, "
+                                 "csv)" if source == "hf" else "a .npy array of token ids"))
+        if not any(c in data.path for c in "*?[") and not os.path.exists(data.path):
+            raise ConfigError(f"data.path={data.path!r}: no such file or directory")
+    if source == "hf" and data.tokenizer_path is not None and not os.path.isdir(
+            data.tokenizer_path):
+        raise ConfigError(f"data.tokenizer_path={data.tokenizer_path!r}: no such directory")
+    if source == "tokens" and data.doc_starts_path is not None and not os.path.isfile(
+            data.doc_starts_path):
+        raise ConfigError(f"data.doc_starts_path={data.doc_starts_path!r}: no such file")
+    fraction = data.eval_fraction
+    if not (isinstance(fraction, (int, float)) and 0 <= fraction < 1):
+        raise ConfigError(f"data.eval_fraction={fraction!r}: the share of the rows held out "
+                          "for evaluation, 0 <= value < 1 (0: none)")
     if source == "synthetic":
         _positive("data.vocab_size", data.vocab_size, 2)
 
         if vocab is not None and data.vocab_size is not None and data.vocab_size > vocab:
             raise ConfigError(f"data.vocab_size={data.vocab_size} exceeds the model's "
                               f"model.config.vocab_size={vocab}")
-    byte_level = source == "corpus" or (source == "files" and data.tokenizer_path is None)
+    byte_level = source == "corpus" or (source in ("files", "hf")
+                                        and data.tokenizer_path is None)
     if byte_level and vocab is not None and vocab < 256 and model.pretrained_path is None:
         raise ConfigError(f"model.config.vocab_size={vocab}: byte-level data needs >= 256")
     if model.pretrained_path is not None and not os.path.isdir(model.pretrained_path):

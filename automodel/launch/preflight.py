@@ -68,3 +68,24 @@ def _which(cfg: TrainConfig) -> str:
     m = cfg.model
     return (f"model.pretrained_path={m.pretrained_path!r}" if m.pretrained_path else
             f"model.config.model_type={m.config.get('model_type')!r}")
+
+
+def prepare_data(cfg: TrainConfig) -> None:
+    """``data=hf`` / ``tokens``: build (or find) the token cache and check it against the
+    model's vocabulary before any rank starts, so bad data fails here with its reason. (Under
+    torchrun or SLURM every rank gets here; one builds, the others wait on the cache's
+    lock.)"""
+    if cfg.data_source not in ("hf", "tokens"):
+        return
+    from automodel.data.sources import check_vocabulary, token_stream
+    from automodel.data.token_cache import hf_stream
+    from automodel.models.builder import hf_config
+    from automodel.models.multimodal import text_config
+
+    try:
+        vocab = text_config(hf_config(cfg.model)).vocab_size
+        check_vocabulary(token_stream(cfg.data_source, cfg.data), vocab)
+        if getattr(cfg.data, "eval_split", None) is not None:
+            check_vocabulary(hf_stream(cfg.data, cfg.data.eval_split), vocab)
+    except ValueError as err:
+        raise ConfigError(f"data={cfg.data_source}: {err}") from None

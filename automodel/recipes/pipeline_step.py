@@ -9,6 +9,7 @@ import logging
 import torch
 import torch.distributed as dist
 
+from automodel.data.batches import IGNORE_INDEX
 from automodel.distributed.mesh import MeshAxis
 from automodel.distributed.pipelining.buffer_pool import (
     install_recv_buffer_pool,
@@ -128,6 +129,35 @@ class PipelineStep:
             dist.all_reduce(loss_sum, group=setup.loss_group)
         return StepStats(loss_sum[0] / global_tokens, grad_norm, global_tokens,
                          {"pp_recv_buffer_bytes": sums[1].to(torch.int64)})
+
+    @torch.no_grad()
+    def evaluate(self, micro_batches) -> torch.Tensor:
+        """Forward only over the micro-batches: [loss sum (all stages agree), label tokens of
+        this rank] in float64, for ``recipes/evaluate.py`` to reduce over data parallelism."""
+        setup = self.setup
+        inputs = to_device(torch.cat([x for x, _ in micro_batches]), setup.device)
+        labels = to_device(torch.cat([y for _, y in micro_batches]), setup.device)
+        inputs, labels, _ = sequence_shard(inputs, labels, setup)
+        train_scale, self.loss.scale = self.loss.scale, 1.0  # the plain sum
+        losses: list = []
+        try:
+            with unpacked_sequences():
+                for chunk in range(0, inputs.shape[0], self.batch):
+                    chunk_losses: list = []
+                    self.schedule.eval(*((inputs[chunk:chunk + self.batch],)
+                                         if self.has_first else ()),
+                                       target=labels[chunk:chunk + self.batch]
+                                       if self.has_last else None,
+                                       losses=chunk_losses if self.has_last else None)
+                    losses.extend(chunk_losses)
+        finally:
+            self.loss.scale = train_scale
+        sums = torch.zeros(2, dtype=torch.float64, device=setup.device)
+        if losses:
+            sums[0] = torch.stack([x.detach() for x in losses]).sum().to(torch.float64)
+        dist.all_reduce(sums[:1], group=self.pp_group)  # only the last stage has the loss
+        sums[1] = (labels != IGNORE_INDEX).sum()
+        return sums
 
     def _run_schedule(self, inputs, labels, chunks, losses: list) -> None:
         for chunk in chunks:

@@ -21,11 +21,11 @@ from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from automodel.data.batches import IGNORE_INDEX
 from automodel.distributed.setup import DistributedSetup
+from automodel.loss import summed_cross_entropy
 from automodel.recipes.router_loss import RouterLoss
 
 
@@ -43,7 +43,7 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     non-blocking (a pageable, blocking copy synchronizes the CUDA stream)."""
     if t.device == device:
         return t
-    if device.type == "cuda" and t.device.type == "cpu":
+    if device.type == "cuda" and t.device.type == "cpu" and not t.is_pinned():
         t = t.pin_memory()
     return t.to(device, non_blocking=True)
 
@@ -57,15 +57,24 @@ def _no_packed_sequences(position_ids):
     return None
 
 
+def _packed_sequences(position_ids):
+    """Which document each token belongs to, from positions restarting at each document
+    (transformers' rule, without its early exit: that reads the device)."""
+    first = position_ids[:, :1] - 1
+    return (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
+
+
 @contextlib.contextmanager
-def unpacked_sequences():
-    """While the model runs: transformers' check for packed sequences answers "none".
+def unpacked_sequences(packed: bool = False):
+    """While the model runs: transformers' check for packed sequences answers without
+    reading the device.
 
     Without an attention mask, transformers looks for several sequences packed in one row in
     the position ids (``find_packed_sequence_indices``) on every forward, a Python branch on a
-    tensor: a device sync per forward. The steps always pass full-length positions
-    ``0..L-1``, for which that check returns None; this gives the same answer without reading
-    the device."""
+    tensor: a device sync per forward. Rows without document boundaries have full-length
+    positions ``0..L-1``, for which the answer is "none"; rows packed with boundaries
+    (``data.pack_boundaries``, positions restarting at each document) get the document of
+    every token, which keeps attention inside documents."""
     try:
         from transformers import masking_utils
     except ImportError:
@@ -74,7 +83,8 @@ def unpacked_sequences():
     if original is None:
         yield
         return
-    masking_utils.find_packed_sequence_indices = _no_packed_sequences
+    masking_utils.find_packed_sequence_indices = (_packed_sequences if packed
+                                                  else _no_packed_sequences)
     try:
         yield
     finally:
@@ -172,6 +182,33 @@ def sequence_shard(inputs: torch.Tensor, labels: torch.Tensor, setup: Distribute
             cp.positions(inputs.shape[1], inputs.device))
 
 
+def device_batches(micro_batches, setup: DistributedSetup) -> list:
+    """The micro-batches on the device as (inputs, labels, positions, extras), this rank's
+    share of the sequence under context parallelism."""
+    batches = []
+    for x, y, *rest in micro_batches:  # (inputs, labels[, extras: images, positions])
+        extras = {k: v if v is None else to_device(v, setup.device)
+                  for k, v in (rest[0] if rest else {}).items()}
+        batches.append((*sequence_shard(to_device(x, setup.device),
+                                        to_device(y, setup.device), setup), extras))
+    return batches
+
+
+def forward_loss(model, setup: DistributedSetup, batch, extra_args: dict | None = None):
+    """(model output, summed token cross-entropy) of one device micro-batch: the loss of
+    training and of evaluation (the pipeline's last stage computes the same one)."""
+    inputs, labels, positions, extras = batch
+    # Positions explicitly: under sequence or context parallelism a model would otherwise
+    # derive them from its local shard of the sequence. Extras may replace them: positions
+    # restarting at each packed document, or None for a model that derives them from its
+    # images.
+    args = {"position_ids": positions.expand_as(inputs), **extras, **(extra_args or {})}
+    packed = extras.get("position_ids") is not None
+    with autocast_context(setup), unpacked_sequences(packed):
+        out = model(input_ids=inputs, use_cache=False, **args)
+    return out, summed_cross_entropy(out.logits, labels)
+
+
 def train_step(model, setup: DistributedSetup, micro_batches, max_grad_norm,
                router_loss: Optional[RouterLoss] = None) -> StepStats:
     """Forward and backward over the micro-batches, then clip; the optimizer step is the
@@ -183,12 +220,7 @@ def train_step(model, setup: DistributedSetup, micro_batches, max_grad_norm,
     logged as ``aux_loss``, and ``loss`` stays the token cross-entropy."""
     device = setup.device
     group = setup.loss_group
-    batches = []
-    for x, y, *rest in micro_batches:  # (inputs, labels[, extras such as pixel_values])
-        extras = {k: v if v is None else to_device(v, device)
-                  for k, v in (rest[0] if rest else {}).items()}
-        batches.append((*sequence_shard(to_device(x, device), to_device(y, device), setup),
-                        extras))
+    batches = device_batches(micro_batches, setup)
     global_tokens = count_global_tokens([b[1] for b in batches], setup)
     # (dp * cp) / global_tokens in float64 (as a Python float would be), rounded once to the
     # loss's float32
@@ -197,17 +229,11 @@ def train_step(model, setup: DistributedSetup, micro_batches, max_grad_norm,
     sequences = setup.dp_size * sum(mb[0].shape[0] for mb in micro_batches)  # global batch
     extra_args = {"output_router_logits": True} if router_loss is not None else {}
     cp_group = setup.cp.cp_group if setup.cp is not None else None
-    for i, (inputs, labels, positions, extras) in enumerate(batches):
-        # Positions explicitly: under sequence or context parallelism a model would
-        # otherwise derive them from its local shard of the sequence. (Image-text extras
-        # set them to None for a model that derives them from its images.)
-        inputs_args = {"position_ids": positions.expand_as(inputs), **extras, **extra_args}
+    for i, batch in enumerate(batches):
+        inputs = batch[0]
         try:
             with grad_sync_context(model, setup, i == len(batches) - 1):
-                with autocast_context(setup), unpacked_sequences():
-                    out = model(input_ids=inputs, use_cache=False, **inputs_args)
-                mb_loss = F.cross_entropy(out.logits.float().flatten(0, 1), labels.flatten(),
-                                          ignore_index=IGNORE_INDEX, reduction="sum")
+                out, mb_loss = forward_loss(model, setup, batch, extra_args)
                 objective = mb_loss * scale
                 if router_loss is not None:
                     aux = router_loss.per_sequence(out.router_logits, inputs.shape[0],

@@ -46,20 +46,27 @@ class StepLog:
     def logging_redirect(self):
         return self.progress.logging_redirect()
 
-    def step(self, number: int, values, lr: float, seconds: float) -> None:
+    def step(self, number: int, values, lr: float, seconds: float, epoch: float,
+             eval_loss: float | None = None) -> None:
         """``values``: the step's ``StepValues`` (not finite: the step was skipped). The peak
         memory is the one read with them: up to the step's gradient clipping, so an optimizer
-        step's allocations show from the next step on."""
+        step's allocations show from the next step on. ``epoch``: passes over the training
+        rows so far (1.5: half-way through the second); ``eval_loss``: the evaluation run after
+        this step, if one ran (its step always gets a record)."""
         t = self.cfg.trainer
         loss, grad_norm, tokens = values.loss, values.grad_norm, values.tokens
         skipped = not values.finite
         self.window_tokens += tokens
         self.peak = values.peak_memory_bytes
-        if number % t.log_every == 0 or number in (1, t.max_steps) or skipped:
+        if (number % t.log_every == 0 or number in (1, t.max_steps) or skipped
+                or eval_loss is not None):
             elapsed = time.perf_counter() - self.window_start
-            record = {"step": number, "loss": loss, "grad_norm": grad_norm, "lr": lr,
+            record = {"step": number, "epoch": round(epoch, 6), "loss": loss,
+                      "grad_norm": grad_norm, "lr": lr,
                       "tokens_per_second": self.window_tokens / max(elapsed, 1e-9),
                       "peak_memory_bytes": self.peak}
+            if eval_loss is not None:
+                record["eval_loss"] = eval_loss
             if skipped:
                 record["skipped"] = True
             record.update(values.extra)
@@ -67,11 +74,12 @@ class StepLog:
             self.metrics.write(record)
             if self.tracker is not None:
                 self.tracker.log(record)
-            log.info("step %d/%d  loss %.4f  grad_norm %.3f  lr %.2e  %.0f tok/s  peak %.0f MiB",
-                     number, t.max_steps, loss, grad_norm, lr, record["tokens_per_second"],
-                     self.peak / 2**20)
+            log.info("step %d/%d  epoch %.2f  loss %.4f  grad_norm %.3f  lr %.2e  %.0f tok/s  "
+                     "peak %.0f MiB%s", number, t.max_steps, epoch, loss, grad_norm, lr,
+                     record["tokens_per_second"], self.peak / 2**20,
+                     "" if eval_loss is None else f"  eval_loss {eval_loss:.4f}")
             self.window_tokens, self.window_start = 0, time.perf_counter()
-        self.progress.update(loss, tokens / max(seconds, 1e-9), self.peak)
+        self.progress.update(loss, tokens / max(seconds, 1e-9), self.peak, eval_loss)
 
     def close(self) -> None:
         self.progress.close()

@@ -18,7 +18,8 @@ from automodel.checkpoint.manager import Checkpointer
 from automodel.checkpoint.paths import checkpoint_root, complete_checkpoints
 from automodel.config.resolve import TrainConfig
 from automodel.data.batches import BatchPlan
-from automodel.data.sources import training_rows
+from automodel.data.prefetch import Prefetcher
+from automodel.data.sources import training_data
 from automodel.distributed.context_parallel import build_context_parallel
 from automodel.distributed.init import (
     DistInfo,
@@ -43,6 +44,7 @@ from automodel.launch.signals import StopSignal
 from automodel.models.builder import build_meta_model, build_model
 from automodel.optim import Optimizers, Schedulers
 from automodel.parallelize import parallelize
+from automodel.recipes.evaluate import Evaluator
 from automodel.recipes.pipeline_step import PipelineStep
 from automodel.recipes.router_loss import RouterLoss
 from automodel.recipes.step import train_step
@@ -133,10 +135,12 @@ def _train(cfg: TrainConfig, info: DistInfo, output_dir: str) -> list[dict]:
         model = parallel.parts[0]
     scheduler = Schedulers(optimizer, cfg.optim, cfg.trainer.max_steps)
     t = cfg.trainer
-    plan = BatchPlan(training_rows(cfg.data_source, cfg.data, t.seq_len, cfg.model),
-                     t.global_batch_size, t.seed)
+    rows, held_out = training_data(cfg.data_source, cfg.data, t.seq_len, cfg.model)
+    plan = BatchPlan(rows, t.global_batch_size, t.seed)
     pipeline = (PipelineStep(parallel, setup, t.global_batch_size // setup.dp_size)
                 if setup.pp_enabled else None)
+    evaluator = (Evaluator(held_out, t, setup, pipeline)
+                 if held_out is not None and t.eval_every else None)
     micro = (f"{parallel.num_stages} pipeline stages, {pipeline.n_microbatches} micro-batches "
              "per schedule step" if pipeline is not None else
              f"{cfg.grad_accum_steps} micro-batch(es) per rank per step")
@@ -157,6 +161,9 @@ def _train(cfg: TrainConfig, info: DistInfo, output_dir: str) -> list[dict]:
     steplog = StepLog(cfg, info, output_dir, start_step, last_step)
     saved_step, number, stopped_by = start_step, start_step, None
     stop = StopSignal().install()
+    batches = Prefetcher(
+        lambda step: plan.micro_batches(step, setup.dp_rank, setup.dp_size, t.local_batch_size),
+        t.prefetch_steps, last_step, pin_memory=setup.device.type == "cuda")
 
     def save(step_number: int) -> None:
         nonlocal saved_step
@@ -174,7 +181,7 @@ def _train(cfg: TrainConfig, info: DistInfo, output_dir: str) -> list[dict]:
                 faults.before_step(number)
                 started = time.perf_counter()
                 lr = scheduler.get_last_lr()[0]
-                micro = plan.micro_batches(step, setup.dp_rank, setup.dp_size, t.local_batch_size)
+                micro = batches.get(step)
                 hooks = faults.poison_logits(number, parallel.parts)
                 if pipeline is not None:
                     stats = pipeline(micro, cfg.optim.max_grad_norm)
@@ -193,7 +200,10 @@ def _train(cfg: TrainConfig, info: DistInfo, output_dir: str) -> list[dict]:
                     _nonfinite(number, values.loss, values.grad_norm, t.on_nonfinite, saved_step)
                 optimizer.zero_grad(set_to_none=True)
                 scheduler.step()
-                steplog.step(number, values, lr, time.perf_counter() - started)
+                seconds = time.perf_counter() - started
+                eval_loss = (evaluator(parallel.parts) if evaluator is not None
+                             and values.finite and evaluator.due(number) else None)
+                steplog.step(number, values, lr, seconds, plan.epochs(number), eval_loss)
                 if step == start_step:  # start-up (compile, loads, W&B start) is over
                     set_collective_timeout(info.timeout)
                 if cfg.checkpoint.every_steps and number % cfg.checkpoint.every_steps == 0:
@@ -206,6 +216,7 @@ def _train(cfg: TrainConfig, info: DistInfo, output_dir: str) -> list[dict]:
         if saved_step != number and (stopped_by is not None or final):
             save(number)
     finally:
+        batches.close()
         stop.restore()
         set_collective_timeout(info.startup_timeout)  # rank 0 alone finishes W&B
         steplog.close()

@@ -34,10 +34,15 @@ class Progress:
 
         return logging_redirect_tqdm(tqdm_class=type(self.bar))
 
-    def update(self, loss: float, tokens_per_second: float, peak_memory_bytes: int | None) -> None:
+    def update(self, loss: float, tokens_per_second: float, peak_memory_bytes: int | None,
+               eval_loss: float | None = None) -> None:
         if self.bar is None:
             return
+        if eval_loss is not None:
+            self.eval_loss = eval_loss  # shown from the evaluation on
         postfix = {"loss": f"{loss:.4f}", "tok/s": f"{tokens_per_second:.0f}"}
+        if getattr(self, "eval_loss", None) is not None:
+            postfix["eval"] = f"{self.eval_loss:.4f}"
         if peak_memory_bytes is not None:
             postfix["mem"] = f"{peak_memory_bytes / 2**20:.0f}MiB"
         self.bar.set_postfix(postfix, refresh=False)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
@@ -12,6 +11,7 @@ from automodel.distributed.pipelining.layout import count_stages
 from automodel.distributed.pipelining.schedule import schedule_spec, stages_of_rank
 from automodel.distributed.pipelining.split import build_stage, contents_from_fqns, even_contents
 from automodel.imports import load_object
+from automodel.loss import summed_cross_entropy
 from automodel.models.anatomy import find_anatomy
 
 
@@ -43,12 +43,6 @@ def split_model(model: nn.Module, pipeline, pp_rank: int, pp_size: int):
     if pipeline.dtype is not None:  # the pipeline computes (and communicates) in this dtype
         parts = [part.to(getattr(torch, pipeline.dtype)) for part in parts]
     return parts, mine, num_stages
-
-
-def summed_cross_entropy(logits, labels):
-    """The default pipeline loss: token cross-entropy summed over the micro-batch."""
-    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100,
-                           reduction="sum")
 
 
 class PipelineLoss:

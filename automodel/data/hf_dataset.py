@@ -1,0 +1,111 @@
+"""Documents of a local Hugging Face dataset (``data=hf``), never from the network.
+
+``data.path`` is a ``save_to_disk`` directory (a ``Dataset`` or a ``DatasetDict`` of splits),
+or data files read by ``datasets.load_dataset`` streaming (no copy into the datasets cache):
+one file, a directory of them, or a glob, of parquet, JSON lines, arrow or CSV. A document
+is the record's ``data.text_field``, or ``data.template`` filled with the record's fields
+(``"{instruction}\\n{response}"``); a field holding chat messages (a list of
+``{"role", "content"}``) is written one ``role: content`` line per message.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import os
+from pathlib import Path
+
+_BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".arrow": "arrow",
+             ".csv": "csv"}
+
+
+def _is_saved_dataset(path: Path) -> bool:
+    return path.is_dir() and any((path / name).exists() for name in
+                                 ("dataset_info.json", "state.json", "dataset_dict.json"))
+
+
+def data_files(path: str) -> list[str]:
+    """The data files ``path`` names (a file, a directory or a glob), sorted."""
+    p = Path(path)
+    if p.is_dir():
+        files = sorted(str(f) for f in p.rglob("*") if f.suffix in _BUILDERS)
+    elif any(c in path for c in "*?["):
+        files = sorted(f for f in glob.glob(path, recursive=True) if Path(f).suffix in _BUILDERS)
+    else:
+        files = [path] if p.is_file() else []
+    return files
+
+
+def check_source(path: str, split: str) -> None:
+    """Raise ``ValueError`` unless ``path`` is a saved dataset or names data files of one
+    kind (before anything is read)."""
+    p = Path(path)
+    if not p.exists() and not any(c in path for c in "*?["):
+        raise ValueError(f"data.path={path!r}: no such file or directory")
+    if _is_saved_dataset(p):
+        return
+    files = data_files(path)
+    if not files:
+        raise ValueError(f"data.path={path!r}: neither a dataset saved with save_to_disk nor "
+                         f"data files ({', '.join(sorted(_BUILDERS))})")
+    kinds = {_BUILDERS[Path(f).suffix] for f in files}
+    if len(kinds) > 1:
+        raise ValueError(f"data.path={path!r} holds files of several kinds ({sorted(kinds)}); "
+                         "point it at one kind")
+
+
+def fingerprint(path: str, split: str) -> str:
+    """What identifies the data: the saved dataset's own fingerprint, or each data file's
+    path, size and modification time."""
+    h = hashlib.sha256(f"{split}\0".encode())
+    p = Path(path)
+    if _is_saved_dataset(p):
+        for f in sorted(p.rglob("*")):
+            if f.is_file():
+                st = f.stat()
+                h.update(f"{f.relative_to(p)}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
+    else:
+        for f in data_files(path):
+            st = os.stat(f)
+            h.update(f"{os.path.abspath(f)}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
+    return h.hexdigest()
+
+
+def open_records(path: str, split: str):
+    """(an iterable of the split's records, their number or None when streaming)."""
+    import datasets
+
+    p = Path(path)
+    if _is_saved_dataset(p):
+        ds = datasets.load_from_disk(str(p))
+        if isinstance(ds, datasets.DatasetDict):
+            if split not in ds:
+                raise ValueError(f"data.split={split!r}: the dataset at {path} has the splits "
+                                 f"{sorted(ds)}")
+            ds = ds[split]
+        return ds, len(ds)
+    files = data_files(path)
+    builder = _BUILDERS[Path(files[0]).suffix]
+    ds = datasets.load_dataset(builder, data_files={split: files}, split=split, streaming=True)
+    return ds, None
+
+
+def _render(value) -> str:
+    if isinstance(value, list) and all(isinstance(m, dict) and "content" in m for m in value):
+        return "\n".join(f"{m.get('role', 'user')}: {m['content']}" for m in value)
+    return str(value)
+
+
+def document_text(record: dict, text_field: str, template: str | None, where: str) -> str:
+    """The text of one record; a missing field is an error naming it and the record's
+    fields."""
+    if template is None:
+        if text_field not in record:
+            raise ValueError(f"{where}: no field {text_field!r} (data.text_field); the records "
+                             f"have {sorted(record)}")
+        return _render(record[text_field])
+    try:
+        return template.format_map({k: _render(v) for k, v in record.items()})
+    except KeyError as err:
+        raise ValueError(f"{where}: data.template names the field {err}, which the records do "
+                         f"not have (they have {sorted(record)})") from None

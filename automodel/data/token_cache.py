@@ -1,0 +1,240 @@
+"""Tokenize once: a corpus's token ids on disk, memory-mapped by every run and every rank.
+
+A cache entry is a folder ``<cache_dir>/<source>-<key>`` (``data/token_stream.py`` reads it):
+``tokens.bin`` (uint16 ids, or uint32 for vocabularies past 65536), ``doc_starts.npy`` (each
+document's first offset) and ``meta.json``. The key hashes what decides the tokens: the data
+(a saved dataset's files, or each data file's path, size and modification time), the text
+field or template, the tokenizer's files, and the format version; change any and a new entry
+is built.
+
+One process builds an entry while the others wait on a file lock beside it (the launcher
+before it starts ranks; under torchrun or SLURM the first rank to get there). It writes into a
+temporary folder renamed into place when complete, so an interrupted build leaves nothing a
+later run would read. The fast tokenizers encode each batch of documents on all cores.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Callable, Iterable
+
+import numpy as np
+
+from automodel.data import hf_dataset
+from automodel.data.token_stream import (
+    DOC_STARTS,
+    FORMAT,
+    META,
+    TOKENS,
+    TokenStream,
+    open_stream,
+    token_dtype,
+    write_meta,
+)
+
+log = logging.getLogger(__name__)
+BATCH = 1024  # documents tokenized together
+BYTE_SEPARATOR = ord("\n")
+
+
+def cache_root(cache_dir: str | None) -> Path:
+    """``data.cache_dir``, else ``$AUTOMODEL_CACHE``, else ``~/.cache/automodel``; entries
+    live in its ``tokens/`` folder."""
+    root = cache_dir or os.environ.get("AUTOMODEL_CACHE") or Path.home() / ".cache" / "automodel"
+    return Path(root) / "tokens"
+
+
+def tokenizer_identity(tokenizer_path: str | None) -> str:
+    if tokenizer_path is None:
+        return "bytes"
+    h = hashlib.sha256()
+    for f in sorted(Path(tokenizer_path).iterdir()):
+        if f.is_file():
+            h.update(f.name.encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()
+
+
+class Encoder:
+    """Texts to token ids, each document ending in the separator (the tokenizer's EOS, else
+    SEP, else none; a newline byte for byte-level tokens)."""
+
+    def __init__(self, tokenizer_path: str | None):
+        self.tokenizer = None
+        if tokenizer_path is None:
+            self.separator, self.max_id = BYTE_SEPARATOR, 255
+            return
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+        tok = self.tokenizer
+        self.separator = tok.eos_token_id if tok.eos_token_id is not None else tok.sep_token_id
+        self.max_id = len(tok) - 1
+
+    def __call__(self, texts: list[str]) -> list[list[int]]:
+        if self.tokenizer is None:
+            return [list(t.encode("utf-8")) + [self.separator] for t in texts]
+        ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+        tail = [self.separator] if self.separator is not None else []
+        return [list(d) + tail for d in ids]
+
+
+def build_entry(folder: Path, texts: Iterable[str], total: int | None, encode: Encoder,
+                describe: str) -> None:
+    """Tokenize ``texts`` into the cache entry ``folder`` (written beside it, then renamed)."""
+    from tqdm import tqdm
+
+    tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    dtype = token_dtype(encode.max_id)
+    starts, offset, max_token, batch = [], 0, -1, []
+    bar = tqdm(total=total, unit="doc", desc=f"tokenizing {describe}", file=sys.stderr,
+               mininterval=2.0, disable=None)
+    try:
+        with open(tmp / TOKENS, "wb") as out:
+            def flush():
+                nonlocal offset, max_token
+                docs = encode(batch)
+                lengths = np.fromiter((len(d) for d in docs), dtype=np.int64, count=len(docs))
+                flat = np.fromiter((t for d in docs for t in d), dtype=np.int64,
+                                   count=int(lengths.sum()))
+                starts.append(offset + np.concatenate([[0], np.cumsum(lengths)[:-1]]))
+                offset += int(lengths.sum())
+                if flat.size:
+                    max_token = max(max_token, int(flat.max()))
+                flat.astype(dtype).tofile(out)
+                bar.update(len(batch))
+                batch.clear()
+
+            for text in texts:
+                batch.append(text)
+                if len(batch) == BATCH:
+                    flush()
+            if batch:
+                flush()
+        bar.close()
+        doc_starts = (np.concatenate(starts) if starts else np.zeros(0)).astype(np.int64)
+        if not len(doc_starts):
+            raise ValueError(f"{describe}: no documents (an empty dataset or split)")
+        np.save(tmp / DOC_STARTS, doc_starts)
+        write_meta(tmp, dtype=np.dtype(dtype).name, num_tokens=offset,
+                   num_docs=int(len(doc_starts)), max_token=max_token, source=describe)
+        os.replace(tmp, folder)
+    except BaseException:
+        bar.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def ensure_entry(folder: Path, build: Callable[[Path], None]) -> TokenStream:
+    """The cache entry ``folder``, built by ``build(folder)`` if no process has yet; other
+    processes wait for it."""
+    from filelock import FileLock, Timeout
+
+    if not (folder / META).exists():
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        lock = FileLock(str(folder) + ".lock")
+        try:
+            lock.acquire(timeout=1)
+        except Timeout:
+            log.info("waiting for another process to build the token cache %s", folder)
+            lock.acquire()
+        try:
+            if not (folder / META).exists():
+                build(folder)
+                log.info("token cache written: %s", folder)
+        finally:
+            lock.release()
+    return open_stream(folder)
+
+
+def hf_stream(data, split: str) -> TokenStream:
+    """The tokens of split ``split`` of the ``data=hf`` dataset (a ``HFDataConfig``)."""
+    hf_dataset.check_source(data.path, split)
+    key = hashlib.sha256("\0".join([
+        hf_dataset.fingerprint(data.path, split), data.text_field, str(data.template),
+        tokenizer_identity(data.tokenizer_path), str(FORMAT)]).encode()).hexdigest()[:20]
+    name = Path(data.path.rstrip("/")).name.replace("*", "_") or "data"
+    folder = cache_root(data.cache_dir) / f"{name}-{split}-{key}"
+
+    def build(target: Path) -> None:
+        records, total = hf_dataset.open_records(data.path, split)
+        where = f"data.path={data.path!r} (split {split!r})"
+        texts = (hf_dataset.document_text(r, data.text_field, data.template,
+                                          f"{where}, record {i}")
+                 for i, r in enumerate(records))
+        build_entry(target, texts, total, Encoder(data.tokenizer_path), where)
+
+    return ensure_entry(folder, build)
+
+
+def token_file_stream(data) -> TokenStream:
+    """``data=tokens``: a pre-tokenized corpus, a ``.npy`` array of token ids (and optionally
+    a ``.npy`` of document start offsets), or a token-cache folder. The arrays are checked
+    once (their largest id, the offsets' order) and the result is cached."""
+    path = Path(data.path)
+    if path.is_dir():
+        return open_stream(path)
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\0"
+                         f"{data.doc_starts_path}\0{FORMAT}".encode()).hexdigest()[:20]
+    folder = cache_root(data.cache_dir) / f"{path.stem}-scan-{key}"
+
+    def scan(target: Path) -> None:
+        tokens = load_token_array(path)
+        max_token = -1
+        for i in range(0, len(tokens), 1 << 24):
+            max_token = max(max_token, int(tokens[i:i + (1 << 24)].max()))
+        starts = load_doc_starts(data.doc_starts_path, len(tokens))
+        tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
+        tmp.mkdir(parents=True, exist_ok=True)
+        write_meta(tmp, max_token=max_token, num_docs=int(len(starts)),
+                   num_tokens=int(len(tokens)), scan_of=str(path))
+        os.replace(tmp, target)
+
+    from filelock import FileLock
+
+    if not (folder / META).exists():
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        with FileLock(str(folder) + ".lock"):
+            if not (folder / META).exists():
+                scan(folder)
+    import json
+
+    meta = json.loads((folder / META).read_text())
+    return TokenStream(load_token_array(path), load_doc_starts(data.doc_starts_path,
+                                                               meta["num_tokens"]),
+                       int(meta["max_token"]))
+
+
+def load_token_array(path: Path) -> np.ndarray:
+    try:
+        tokens = np.load(path, mmap_mode="r")
+    except (OSError, ValueError) as err:
+        raise ValueError(f"data.path={str(path)!r}: not a .npy array ({err})") from None
+    if tokens.ndim != 1 or tokens.dtype.kind not in "iu" or not len(tokens):
+        raise ValueError(f"data.path={str(path)!r}: a non-empty 1-D integer array is needed, "
+                         f"found {tokens.dtype} of shape {tokens.shape}")
+    return tokens
+
+
+def load_doc_starts(path: str | None, num_tokens: int) -> np.ndarray:
+    if path is None:
+        return np.zeros(1, dtype=np.int64)  # one document
+    try:
+        starts = np.load(path, mmap_mode="r")
+    except (OSError, ValueError) as err:
+        raise ValueError(f"data.doc_starts_path={path!r}: not a .npy array ({err})") from None
+    ok = (starts.ndim == 1 and starts.dtype.kind in "iu" and len(starts) and starts[0] == 0
+          and (len(starts) == 1 or bool((np.diff(starts) > 0).all()))
+          and int(starts[-1]) < num_tokens)
+    if not ok:
+        raise ValueError(f"data.doc_starts_path={path!r}: document start offsets must be a 1-D "
+                         f"integer array, increasing, starting at 0 and below the number of "
+                         f"tokens ({num_tokens})")
+    return starts
