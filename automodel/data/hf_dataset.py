@@ -77,7 +77,11 @@ def open_records(path: str, split: str):
 
     p = Path(path)
     if _is_saved_dataset(p):
-        ds = datasets.load_from_disk(str(p))
+        try:
+            ds = datasets.load_from_disk(str(p))
+        except Exception as err:  # datasets raises several kinds for broken or empty folders
+            raise ValueError(f"cannot read the dataset saved at {path}: {type(err).__name__}: "
+                             f"{err or 'no data'}") from None
         if isinstance(ds, datasets.DatasetDict):
             if split not in ds:
                 raise ValueError(f"data.split={split!r}: the dataset at {path} has the splits "
@@ -86,7 +90,14 @@ def open_records(path: str, split: str):
         return ds, len(ds)
     files = data_files(path)
     builder = _BUILDERS[Path(files[0]).suffix]
-    ds = datasets.load_dataset(builder, data_files={split: files}, split=split, streaming=True)
+    try:
+        ds = datasets.load_dataset(builder, data_files={split: files}, split=split,
+                                   streaming=True)
+    except StopIteration:  # (how datasets reports files without a record)
+        raise ValueError(f"data.path={path!r}: no documents in {len(files)} file(s)") from None
+    except Exception as err:
+        raise ValueError(f"cannot read the data files of data.path={path!r}: "
+                         f"{type(err).__name__}: {err}") from None
     return ds, None
 
 
