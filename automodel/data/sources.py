@@ -52,7 +52,7 @@ def token_stream(source: str, data) -> TokenStream:
         assert isinstance(data, FilesDataConfig)
         docs = read_documents(data.paths, data.text_key)
         encode = Encoder(data.tokenizer_path)
-    return TokenStream.from_documents(encode(docs))
+    return TokenStream.from_flat(*encode(docs))
 
 
 def check_vocabulary(stream: TokenStream, model_vocab: int) -> None:

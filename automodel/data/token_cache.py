@@ -1,7 +1,7 @@
 """Tokenize once: a corpus's token ids on disk, memory-mapped by every run and every rank.
 
 A cache entry is a folder ``<cache_dir>/<source>-<key>`` (``data/token_stream.py`` reads it):
-``tokens.bin`` (uint16 ids, or uint32 for vocabularies past 65536), ``doc_starts.npy`` (each
+``tokens.bin`` (ids as uint8, uint16 or uint32: the smallest that holds the vocabulary), ``doc_starts.npy`` (each
 document's first offset) and ``meta.json``. The key hashes what decides the tokens: the data
 (a saved dataset's files, or each data file's path, size and modification time), the text
 field or template, the tokenizer's files, and the format version; change any and a new entry
@@ -75,12 +75,18 @@ class Encoder:
         self.separator = tok.eos_token_id if tok.eos_token_id is not None else tok.sep_token_id
         self.max_id = len(tok) - 1
 
-    def __call__(self, texts: list[str]) -> list[list[int]]:
+    def __call__(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """(the documents' tokens end to end, each document's length), as arrays."""
         if self.tokenizer is None:
-            return [list(t.encode("utf-8")) + [self.separator] for t in texts]
+            encoded = [t.encode("utf-8") for t in texts]
+            flat = np.frombuffer(b"\n".join(encoded) + b"\n", dtype=np.uint8) if texts else \
+                np.zeros(0, dtype=np.uint8)
+            return flat, np.fromiter((len(e) + 1 for e in encoded), np.int64, len(encoded))
         ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
         tail = [self.separator] if self.separator is not None else []
-        return [list(d) + tail for d in ids]
+        docs = [np.asarray(list(d) + tail, dtype=np.int64) for d in ids]
+        flat = np.concatenate(docs) if docs else np.zeros(0, dtype=np.int64)
+        return flat, np.fromiter((len(d) for d in docs), np.int64, len(docs))
 
 
 def build_entry(folder: Path, texts: Iterable[str], total: int | None, encode: Encoder,
@@ -99,10 +105,7 @@ def build_entry(folder: Path, texts: Iterable[str], total: int | None, encode: E
         with open(tmp / TOKENS, "wb") as out:
             def flush():
                 nonlocal offset, max_token
-                docs = encode(batch)
-                lengths = np.fromiter((len(d) for d in docs), dtype=np.int64, count=len(docs))
-                flat = np.fromiter((t for d in docs for t in d), dtype=np.int64,
-                                   count=int(lengths.sum()))
+                flat, lengths = encode(batch)
                 starts.append(offset + np.concatenate([[0], np.cumsum(lengths)[:-1]]))
                 offset += int(lengths.sum())
                 if flat.size:

@@ -29,8 +29,13 @@ class TokenStream:
     @classmethod
     def from_documents(cls, docs: list[list[int]]) -> "TokenStream":
         """A stream of tokenized documents (each already ending in its separator)."""
-        lengths = np.array([len(d) for d in docs], dtype=np.int64)
-        tokens = np.fromiter((t for d in docs for t in d), dtype=np.int64, count=lengths.sum())
+        lengths = np.fromiter((len(d) for d in docs), np.int64, len(docs))
+        flat = np.fromiter((t for d in docs for t in d), np.int64, int(lengths.sum()))
+        return cls.from_flat(flat, lengths)
+
+    @classmethod
+    def from_flat(cls, tokens: np.ndarray, lengths: np.ndarray) -> "TokenStream":
+        """A stream of documents given end to end, and their lengths."""
         starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
         return cls(tokens, starts, int(tokens.max()) if len(tokens) else -1)
 
@@ -42,7 +47,8 @@ FORMAT = 1
 
 
 def token_dtype(max_token: int):
-    return np.uint16 if max_token < 2 ** 16 else np.uint32
+    """The smallest unsigned type holding ids up to ``max_token`` (bytes: 1 byte a token)."""
+    return np.uint8 if max_token < 2 ** 8 else np.uint16 if max_token < 2 ** 16 else np.uint32
 
 
 def write_meta(folder: Path, **fields) -> None:
