@@ -1,11 +1,11 @@
 """Tokenize once: a corpus's token ids on disk, memory-mapped by every run and every rank.
 
 A cache entry is a folder ``<cache_dir>/<source>-<key>`` (``data/token_stream.py`` reads it):
-``tokens.bin`` (ids as uint8, uint16 or uint32: the smallest that holds the vocabulary), ``doc_starts.npy`` (each
-document's first offset) and ``meta.json``. The key hashes what decides the tokens: the data
-(a saved dataset's files, or each data file's path, size and modification time), the text
-field or template, the tokenizer's files, and the format version; change any and a new entry
-is built.
+``tokens.bin`` (ids as uint8, uint16 or uint32, the smallest type that holds the
+vocabulary), ``doc_starts.npy`` (each document's first offset) and ``meta.json``. The key
+hashes what decides the tokens: the data (a saved dataset's files, or each data file's path,
+size and modification time), the text field or template, the tokenizer's files, and the
+format version; change any and a new entry is built.
 
 One process builds an entry while the others wait on a file lock beside it (the launcher
 before it starts ranks; under torchrun or SLURM the first rank to get there). It writes into a
