@@ -29,6 +29,8 @@ PREFIXES = {
     s.CorpusDataConfig: "data",
     s.SyntheticDataConfig: "data",
     s.FilesDataConfig: "data",
+    s.HFDataConfig: "data",
+    s.TokensDataConfig: "data",
     s.OptimConfig: "optim",
     s.TrainerConfig: "trainer",
     s.CheckpointConfig: "checkpoint",
