@@ -2,8 +2,9 @@
 
     parts = split_model(model)  (pipeline stages of this rank; else the whole model)
     for part in parts:
-        pre_shard_hook -> tensor parallel -> context parallel -> expert parallel
-        -> activation checkpointing -> compile -> data parallel (DDP / FSDP2)
+        pre_shard_hook -> fused head (the LM head joins the loss) -> tensor parallel
+        -> context parallel -> expert parallel -> activation checkpointing -> compile
+        -> data parallel (DDP / FSDP2)
     materialize (the model is built on the meta device: this rank's shards are allocated and
     filled only now; before DDP's wrapping, after FSDP2's)
 
@@ -26,11 +27,13 @@ from automodel.distributed.context_parallel import apply_cp
 from automodel.distributed.ddp import apply_ddp
 from automodel.distributed.expert_parallel import apply_ep
 from automodel.distributed.fsdp2 import apply_fsdp2, build_policy
+from automodel.distributed.fused_head import apply_fused_head, head_fqn
 from automodel.distributed.mesh import MeshAxis
 from automodel.distributed.pipelining.split import ties_embeddings
 from automodel.distributed.pipelining.stages import split_model
 from automodel.distributed.setup import DistributedSetup
 from automodel.distributed.tensor_parallel import apply_tp, expand_plan
+from automodel.loss import HeadLoss
 from automodel.models.parts import block_fqns, replace_module, select_blocks
 from automodel.models.tp_plans import select_tp_plan
 
@@ -43,6 +46,7 @@ class ModelParts:
     stage_ids: list  # pipeline stage index of each part ([0] without a pipeline)
     num_stages: int = 1
     tied_embeddings: bool = False  # split stages hold copies of one embedding/head weight
+    head_loss: HeadLoss | None = None  # the part with the LM head, fused with the loss
 
 
 def parallelize(model: nn.Module, setup: DistributedSetup,
@@ -61,15 +65,20 @@ def parallelize(model: nn.Module, setup: DistributedSetup,
             model, setup.pipeline, setup.mesh.local_rank(MeshAxis.PP), setup.size(MeshAxis.PP))
     else:
         parts, stage_ids, num_stages = [model], [0], 1
-    result = []
-    for part in parts:
+    result, head_loss = [], None
+    custom_loss = setup.pipeline is not None and setup.pipeline.loss_fn is not None
+    for part, stage in zip(parts, stage_ids):
         if setup.pre_shard_hook is not None:
             setup.pre_shard_hook(part)
         blocks = block_fqns(part)
+        fused = apply_fused_head(part, setup.loss, setup.loss_chunk_tokens,
+                                 stage == num_stages - 1, custom_loss)
+        head_loss = fused or head_loss
         if tp_plan is not None:
             opts = setup.options
             apply_tp(part, setup.mesh[MeshAxis.TP], *tp_plan, blocks, opts.sequence_parallel,
-                     opts.enable_async_tensor_parallel, pipeline_stage=setup.pp_enabled)
+                     opts.enable_async_tensor_parallel, pipeline_stage=setup.pp_enabled,
+                     vocab_parallel_head=head_fqn(part) if fused else None)
         if setup.cp is not None:
             apply_cp(part, setup.cp)
         experts = apply_ep(part, setup.mesh.moe["ep"]) if setup.ep_enabled else []
@@ -83,7 +92,7 @@ def parallelize(model: nn.Module, setup: DistributedSetup,
         result.append(apply_data_parallel(part, blocks, setup, experts))
     if materialize is not None and setup.strategy == "fsdp2":
         materialize(result)  # every part at once: one pass over the weights
-    return ModelParts(result, stage_ids, num_stages, tied)
+    return ModelParts(result, stage_ids, num_stages, tied, head_loss)
 
 
 def apply_data_parallel(part: nn.Module, blocks: list[str], setup: DistributedSetup,

@@ -272,6 +272,8 @@ class TrainerConfig:
     eval_every: int = 0  # evaluate on the held-out rows every n steps (and at the end); 0: never
     eval_batches: Optional[int] = None  # global batches per evaluation; null = all held out
     prefetch_steps: int = 1  # steps of micro-batches read ahead in a background thread; 0: none
+    loss: str = "auto"  # fused: the LM head and the loss together, chunked | plain | auto
+    loss_chunk_tokens: int = 1024  # tokens per chunk of the fused loss
 
 
 # --------------------------------------------------------------------------- tracking

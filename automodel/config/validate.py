@@ -26,6 +26,7 @@ DTYPE_NAMES = ("float32", "bfloat16", "float16", "float64")
 LAYER_GROUPS = ("language", "vision", "audio", "multimodal")
 AC_SCOPES = LAYER_GROUPS
 VISION_UNITS = ("layer", "tower")
+LOSSES = ("auto", "fused", "plain")
 # Strategies that need more than one data-parallel rank to mean anything (default dp = 2).
 MULTI_RANK_STRATEGIES = ("ddp", "fsdp2", "megatron_fsdp")
 
@@ -281,6 +282,14 @@ def check_data_with_layout(source: str, data, trainer: s.TrainerConfig, mesh: s.
     and evaluation."""
     _positive("trainer.eval_every", trainer.eval_every, 0)
     _positive("trainer.prefetch_steps", trainer.prefetch_steps, 0)
+    _positive("trainer.loss_chunk_tokens", trainer.loss_chunk_tokens, 1)
+    if trainer.loss not in LOSSES:
+        raise ConfigError(f"trainer.loss={trainer.loss!r}: allowed: {', '.join(LOSSES)} (auto: "
+                          "the LM head fused with the loss where that is exact)")
+    if trainer.loss == "fused" and pipeline is not None and pipeline.loss_fn is not None:
+        raise ConfigError(f"trainer.loss=fused with pipeline.loss_fn={pipeline.loss_fn!r}: a "
+                          "custom pipeline loss takes the logits; set trainer.loss=auto or "
+                          "plain")
     if trainer.eval_batches is not None:
         _positive("trainer.eval_batches", trainer.eval_batches, 1)
     held_out = data.eval_fraction > 0 or getattr(data, "eval_split", None) is not None

@@ -82,11 +82,11 @@ def apply_fsdp2(model: nn.Module, block_fqns: list[str], mesh: DeviceMesh, opts:
         fully_shard(block, reshard_after_forward=reshard, **common)
         keep_output_recording(block, original)  # (a whole tower is a transformers model)
         blocks.append(block)
-    # The root (embeddings, final norm, head; under frozen_sharding=root a frozen tower): kept
-    # gathered from forward into backward unless asked otherwise. Its head runs first in
-    # backward, so resharding it after forward would only gather it again at once.
-    root_reshard = opts.reshard_after_forward if opts.reshard_after_forward is not None else (
-        False if pp_enabled else None)  # None: FSDP2's own choice for a root (keep it)
+    # The root (embeddings, final norm, head; under frozen_sharding=root a frozen tower) is
+    # kept gathered from forward into backward: its head runs first in backward, so
+    # resharding it after forward would only gather it again at once (and the fused loss
+    # applies the head after the model's forward).
+    root_reshard = False if pp_enabled else None  # None: FSDP2's choice for a root: keep it
     fully_shard(model, reshard_after_forward=root_reshard, **common)
     if opts.enable_fsdp2_prefetch:
         set_prefetch(blocks, opts.fsdp2_forward_prefetch_depth, opts.fsdp2_backward_prefetch_depth)

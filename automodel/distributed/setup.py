@@ -27,6 +27,8 @@ class DistributedSetup:
     pipeline: Any = None  # PipelineConfig when pp is on
     pre_shard_hook: Optional[Callable[[nn.Module], None]] = None
     cp: Optional[ContextParallel] = None  # the sequence is split over cp ranks
+    loss: str = "auto"  # trainer.loss: auto | fused | plain (the LM head joins the loss)
+    loss_chunk_tokens: int = 1024
 
     @property
     def ep_enabled(self) -> bool:

@@ -14,7 +14,13 @@ import logging
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import (
+    DTensor,
+    Replicate,
+    Shard,
+    distribute_module,
+    distribute_tensor,
+)
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -181,8 +187,13 @@ def _sequence_parallel_extras(model: nn.Module, block_fqns: list[str],
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: dict, source: str,
              block_fqns: list[str], sequence_parallel: bool, async_tp: bool,
-             pipeline_stage: bool = False) -> dict[str, str]:
-    """Parallelize ``model`` in place over ``tp_mesh``. Returns the concrete plan applied."""
+             pipeline_stage: bool = False, vocab_parallel_head: str | None = None
+             ) -> dict[str, str]:
+    """Parallelize ``model`` in place over ``tp_mesh``. Returns the concrete plan applied.
+
+    ``vocab_parallel_head``: the LM head fused with the loss (``distributed/fused_head.py``):
+    its weight is split over the vocabulary and its output never gathered, whatever the
+    plan says for it (the loss reduces the softmax across the ranks instead)."""
     concrete = expand_plan(model, plan, source, allow_unmatched=pipeline_stage)
     check_divisibility(model, concrete, tp_mesh.size())
     styles: dict[str, ParallelStyle] = {}
@@ -194,7 +205,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: dict, source: str,
         if name == "mla_kv_a_proj":
             module.rope_dim = model.config.qk_rope_head_dim
         in_block = any(fqn.startswith(b + ".") for b in block_fqns)
-        style = _style(name, module, sequence_parallel, in_block)
+        style = (VocabParallelHead() if fqn == vocab_parallel_head
+                 else _style(name, module, sequence_parallel, in_block))
         if style is not None:
             styles[fqn] = style
     if sequence_parallel:
@@ -207,6 +219,14 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: dict, source: str,
     log.info("tensor parallel over %d ranks with %s (%d modules%s)", tp_mesh.size(), source,
              len(styles), ", sequence parallel" if sequence_parallel else "")
     return concrete
+
+
+class VocabParallelHead(ColwiseParallel):
+    """The head's weight (and bias) split over the vocabulary (``Shard(0)``), with no input
+    or output conversion: the fused loss takes the hidden states and the local rows."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh, self._partition_linear_fn)
 
 
 def _retie_embeddings(model: nn.Module) -> None:

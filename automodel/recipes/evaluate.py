@@ -20,8 +20,9 @@ from automodel.recipes.step import device_batches, forward_loss
 
 
 class Evaluator:
-    def __init__(self, rows, trainer, setup: DistributedSetup, pipeline=None):
+    def __init__(self, rows, trainer, setup: DistributedSetup, pipeline=None, head_loss=None):
         self.trainer, self.setup, self.pipeline = trainer, setup, pipeline
+        self.head_loss = head_loss
         self.plan = BatchPlan(rows, trainer.global_batch_size, trainer.seed, shuffle=False,
                               what="the held-out data (data.eval_fraction or data.eval_split)")
         self.batches = min(self.plan.batches_per_epoch, trainer.eval_batches or math.inf)
@@ -45,7 +46,7 @@ class Evaluator:
                     sums += self.pipeline.evaluate(micro)
                     continue
                 for batch in device_batches(micro, setup):
-                    _, loss = forward_loss(parts[0], setup, batch)
+                    _, loss = forward_loss(parts[0], setup, batch, head_loss=self.head_loss)
                     sums[0] += loss.to(torch.float64)
                     sums[1] += (batch[1] != IGNORE_INDEX).sum()
             if setup.loss_group is not None:

@@ -47,7 +47,7 @@ class PipelineStep:
         self.tied = (TiedEmbeddingSync(self.parts, parallel.stage_ids, parallel.num_stages,
                                        setup.mesh, setup.dist.timeout)
                      if parallel.tied_embeddings else None)
-        self.loss = PipelineLoss(load_loss_fn(p.loss_fn))
+        self.loss = PipelineLoss(parallel.head_loss or load_loss_fn(p.loss_fn))
         # static stage shapes: this rank's share of the sequence under context parallelism
         shapes = ((p.pp_seq_len // setup.size(MeshAxis.CP), self._activation_dtype())
                   if p.pp_seq_len else None)
@@ -56,7 +56,8 @@ class PipelineStep:
                 _forward_under_autocast(part, setup.device.type, setup.autocast_dtype)
         self.schedule = build_schedule(self.parts, parallel.stage_ids, parallel.num_stages, p,
                                        setup.device, self.pp_group, self.n_microbatches,
-                                       self.loss, shapes)
+                                       self.loss, shapes,
+                                       fused_head=parallel.head_loss is not None)
         if p.pp_recv_buffer_pool:
             self._pool_receive_buffers(parallel.num_stages)
         self._defer_reduce = False

@@ -194,9 +194,12 @@ def device_batches(micro_batches, setup: DistributedSetup) -> list:
     return batches
 
 
-def forward_loss(model, setup: DistributedSetup, batch, extra_args: dict | None = None):
+def forward_loss(model, setup: DistributedSetup, batch, extra_args: dict | None = None,
+                 head_loss=None):
     """(model output, summed token cross-entropy) of one device micro-batch: the loss of
-    training and of evaluation (the pipeline's last stage computes the same one)."""
+    training and of evaluation (the pipeline's last stage computes the same one).
+    ``head_loss``: the model's LM head was fused with the loss (``automodel/loss.py``): the
+    model returns hidden states and this applies the head."""
     inputs, labels, positions, extras = batch
     # Positions explicitly: under sequence or context parallelism a model would otherwise
     # derive them from its local shard of the sequence. Extras may replace them: positions
@@ -206,11 +209,13 @@ def forward_loss(model, setup: DistributedSetup, batch, extra_args: dict | None 
     packed = extras.get("position_ids") is not None
     with autocast_context(setup), unpacked_sequences(packed):
         out = model(input_ids=inputs, use_cache=False, **args)
+        if head_loss is not None:
+            return out, head_loss(out.logits, labels)
     return out, summed_cross_entropy(out.logits, labels)
 
 
 def train_step(model, setup: DistributedSetup, micro_batches, max_grad_norm,
-               router_loss: Optional[RouterLoss] = None) -> StepStats:
+               router_loss: Optional[RouterLoss] = None, head_loss=None) -> StepStats:
     """Forward and backward over the micro-batches, then clip; the optimizer step is the
     caller's. Returns (global mean loss, gradient norm before clipping, global token count)
     as device tensors, the same values on every rank: nothing is read on the host.
@@ -233,7 +238,7 @@ def train_step(model, setup: DistributedSetup, micro_batches, max_grad_norm,
         inputs = batch[0]
         try:
             with grad_sync_context(model, setup, i == len(batches) - 1):
-                out, mb_loss = forward_loss(model, setup, batch, extra_args)
+                out, mb_loss = forward_loss(model, setup, batch, extra_args, head_loss)
                 objective = mb_loss * scale
                 if router_loss is not None:
                     aux = router_loss.per_sequence(out.router_logits, inputs.shape[0],

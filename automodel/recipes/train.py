@@ -104,7 +104,8 @@ def build_setup(cfg: TrainConfig, info: DistInfo) -> DistributedSetup:
         activation_checkpointing_scope=cfg.activation_checkpointing_scope,
         mp_policy=cfg.mp_policy, offload_policy=cfg.offload_policy, pipeline=cfg.pipeline,
         cp=build_context_parallel(mesh),
-        pre_shard_hook=named_hook(getattr(cfg.parallelism, "pre_shard_hook", None)))
+        pre_shard_hook=named_hook(getattr(cfg.parallelism, "pre_shard_hook", None)),
+        loss=cfg.trainer.loss, loss_chunk_tokens=cfg.trainer.loss_chunk_tokens)
 
 
 def train(cfg: TrainConfig, info: DistInfo) -> list[dict]:
@@ -139,7 +140,7 @@ def _train(cfg: TrainConfig, info: DistInfo, output_dir: str) -> list[dict]:
     plan = BatchPlan(rows, t.global_batch_size, t.seed)
     pipeline = (PipelineStep(parallel, setup, t.global_batch_size // setup.dp_size)
                 if setup.pp_enabled else None)
-    evaluator = (Evaluator(held_out, t, setup, pipeline)
+    evaluator = (Evaluator(held_out, t, setup, pipeline, parallel.head_loss)
                  if held_out is not None and t.eval_every else None)
     micro = (f"{parallel.num_stages} pipeline stages, {pipeline.n_microbatches} micro-batches "
              "per schedule step" if pipeline is not None else
@@ -187,7 +188,7 @@ def _train(cfg: TrainConfig, info: DistInfo, output_dir: str) -> list[dict]:
                     stats = pipeline(micro, cfg.optim.max_grad_norm)
                 else:
                     stats = train_step(model, setup, micro, cfg.optim.max_grad_norm,
-                                       router_loss)
+                                       router_loss, parallel.head_loss)
                 for h in hooks:
                     h.remove()
                 # The step's one device-to-host read (loss, norm, tokens, peak memory, the stop

@@ -68,8 +68,9 @@ def load_loss_fn(path: str | None):
 
 
 def example_args(part: nn.Module, stage_id: int, num_stages: int, microbatch: int,
-                 seq_len: int, dtype: torch.dtype, device):
-    """Input and output examples of a stage, so PipelineStage skips runtime shape inference."""
+                 seq_len: int, dtype: torch.dtype, device, fused_head: bool = False):
+    """Input and output examples of a stage, so PipelineStage skips runtime shape inference.
+    ``fused_head``: the last stage returns hidden states (its head joins the loss)."""
     cfg = part.config
 
     def activation(*shape):  # activations carry gradients back: examples must say so
@@ -77,20 +78,20 @@ def example_args(part: nn.Module, stage_id: int, num_stages: int, microbatch: in
 
     inputs = (torch.zeros(microbatch, seq_len, dtype=torch.long, device=device)
               if stage_id == 0 else activation(microbatch, seq_len, cfg.hidden_size))
-    outputs = (activation(microbatch, seq_len, cfg.vocab_size) if stage_id == num_stages - 1
-               else activation(microbatch, seq_len, cfg.hidden_size))
+    last = stage_id == num_stages - 1 and not fused_head
+    outputs = activation(microbatch, seq_len, cfg.vocab_size if last else cfg.hidden_size)
     return inputs, outputs
 
 
 def build_schedule(parts, stage_ids, num_stages, pipeline, device, pp_group, n_microbatches,
-                   loss: PipelineLoss, shapes: tuple | None = None):
+                   loss: PipelineLoss, shapes: tuple | None = None, fused_head: bool = False):
     """``shapes``: (seq_len, activation dtype) for static shapes; None = infer at run time."""
     stages = []
     for part, sid in zip(parts, stage_ids):
         examples = {}
         if shapes is not None:
             inputs, outputs = example_args(part, sid, num_stages, pipeline.pp_microbatch_size,
-                                           shapes[0], shapes[1], device)
+                                           shapes[0], shapes[1], device, fused_head)
             examples = {"input_args": inputs, "output_args": outputs}
         stages.append(PipelineStage(part, sid, num_stages, device, group=pp_group, **examples))
     kwargs = dict(n_microbatches=n_microbatches, loss_fn=loss,
