@@ -55,27 +55,30 @@ class LinearCrossEntropy(torch.autograd.Function):
             h = hidden[start:start + chunk]
             y = labels[start:start + chunk]
             logits = F.linear(h, weight, bias).float()  # [c, V_local], as the head would
-            top = _all_reduce(logits.max(dim=-1).values, dist.ReduceOp.MAX, group)
-            exp = torch.exp(logits - top.unsqueeze(1))
-            sum_exp = _all_reduce(exp.sum(dim=-1), dist.ReduceOp.SUM, group)
             valid = y != IGNORE_INDEX
             local = y - vocab_start
             mine = valid & (local >= 0) & (local < rows)
-            target = torch.zeros_like(top)
-            index = torch.where(mine, local, torch.zeros_like(local))
-            target = torch.where(mine, logits.gather(1, index.unsqueeze(1)).squeeze(1), target)
+            index = torch.where(mine, local, torch.zeros_like(local)).unsqueeze(1)
+            target = torch.where(mine, logits.gather(1, index).squeeze(1),
+                                 torch.zeros((), dtype=logits.dtype, device=logits.device))
             target = _all_reduce(target, dist.ReduceOp.SUM, group)
+            top = _all_reduce(logits.max(dim=-1).values, dist.ReduceOp.MAX, group)
+            exp = logits.sub_(top.unsqueeze(1)).exp_()  # (in place: one [c, V] buffer)
+            sum_exp = _all_reduce(exp.sum(dim=-1), dist.ReduceOp.SUM, group)
             total += torch.where(valid, torch.log(sum_exp) + top - target,
                                  torch.zeros_like(top)).sum()
             if not want_grad:
                 continue
-            # d loss / d logits = softmax - one-hot, on the label tokens only
-            grad_logits = exp / sum_exp.unsqueeze(1)
-            grad_logits[mine, index[mine]] -= 1
-            grad_logits[~valid] = 0
+            # d loss / d logits = softmax - one-hot on the label tokens, 0 on ignored ones
+            # (no host read: masks multiply and scatter)
+            grad_logits = exp.mul_((valid / sum_exp).unsqueeze(1))
+            grad_logits.scatter_add_(1, index, -mine.to(grad_logits.dtype).unsqueeze(1))
             g = grad_logits.to(weight.dtype)
-            grad_hidden[start:start + chunk] = g @ weight
-            grad_weight += (g.t() @ h).float()
+            torch.matmul(g, weight, out=grad_hidden[start:start + chunk])
+            if grad_weight.dtype == g.dtype:
+                grad_weight.addmm_(g.t(), h)
+            else:
+                grad_weight += (g.t() @ h).float()
             if grad_bias is not None:
                 grad_bias += grad_logits.sum(dim=0)
         if want_grad:
