@@ -92,7 +92,7 @@ def main() -> None:
         print(json.dumps(measure(args.one[0], int(args.one[1]), args)))
         return
     rows = []
-    child = [a for a in sys.argv[1:]]
+    child = list(sys.argv[1:])
     for vocab in args.vocab:
         for kind in ("plain", "fused"):  # each in a fresh process: peaks do not mix
             out = subprocess.run([sys.executable, __file__, *child, "--one", kind, str(vocab)],
@@ -108,7 +108,8 @@ def main() -> None:
         d_loss = abs(fused["loss"] - plain["loss"]) / abs(plain["loss"])
         d_norm = max(abs(a - b) / b for a, b in zip(fused["grad_norms"], plain["grad_norms"]))
         ok &= d_loss < 1e-5 and d_norm < 1e-5 if args.dtype == "float32" else True
-        print(f"{vocab:>7} {plain['peak_bytes'] / 2**20:>10.0f} {fused['peak_bytes'] / 2**20:>10.0f}"
+        mib = [r["peak_bytes"] / 2**20 for r in (plain, fused)]
+        print(f"{vocab:>7} {mib[0]:>10.0f} {mib[1]:>10.0f}"
               f" {fused['peak_bytes'] / plain['peak_bytes']:>6.2f} {plain['seconds']:>8.3f}"
               f" {fused['seconds']:>8.3f} {fused['seconds'] / plain['seconds']:>6.2f}"
               f" {d_loss:>11.1e} {d_norm:>12.1e}")
