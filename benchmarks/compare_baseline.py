@@ -39,6 +39,25 @@ LAYOUTS = {
 }
 
 
+# Model shapes (``--shapes``): Llama variants, untied embeddings, 8 heads unless narrower.
+SHAPES = {
+    "default": [],  # --hidden / --layers, llama_tiny's 256-token byte vocabulary
+    "small_vocab": ["model.config.vocab_size=512", "model.config.hidden_size=256",
+                    "model.config.intermediate_size=768", "model.config.num_hidden_layers=4",
+                    "model.config.num_attention_heads=8", "model.config.num_key_value_heads=8"],
+    "large_vocab": ["model.config.vocab_size=32000", "model.config.hidden_size=256",
+                    "model.config.intermediate_size=768", "model.config.num_hidden_layers=4",
+                    "model.config.num_attention_heads=8", "model.config.num_key_value_heads=8"],
+    "deep_narrow": ["model.config.vocab_size=4096", "model.config.hidden_size=128",
+                    "model.config.intermediate_size=384", "model.config.num_hidden_layers=16",
+                    "model.config.num_attention_heads=4", "model.config.num_key_value_heads=4"],
+    "wide_shallow": ["model.config.vocab_size=4096", "model.config.hidden_size=1024",
+                     "model.config.intermediate_size=2816", "model.config.num_hidden_layers=2",
+                     "model.config.num_attention_heads=8", "model.config.num_key_value_heads=8"],
+}
+UNTIED = ["model.config.tie_word_embeddings=false"]
+
+
 def shared_overrides(args) -> list[str]:
     """Data, trainer, optimizer and model overrides both benchmark scripts use."""
     return [
@@ -50,7 +69,8 @@ def shared_overrides(args) -> list[str]:
         f"model.config.intermediate_size={args.hidden * 11 // 4}",  # llama_tiny's ratio
         f"model.config.num_hidden_layers={args.layers}",
         f"distributed.nproc_per_node={NPROC}",
-    ] + list(args.override)
+    ] + (SHAPES[args.shape] + UNTIED if getattr(args, "shape", "default") != "default"
+         else []) + list(args.override)
 
 
 def build_overrides(layout: str, args) -> list[str]:
@@ -68,7 +88,8 @@ def baseline_spec(layout: str, cfg, threads: int) -> dict:
     return {"layout": layout, "threads": threads, "model_config": dict(cfg.model.config),
             "seed": t.seed, "steps": t.max_steps, "batch": t.global_batch_size,
             "lr": o.lr, "betas": tuple(o.betas), "eps": o.eps, "weight_decay": o.weight_decay,
-            "max_grad_norm": o.max_grad_norm, "sequences": sequences}
+            "max_grad_norm": o.max_grad_norm, "sequences": sequences,
+            "profile_steps": t.profile_steps}
 
 
 def baseline_rank(spec: dict) -> dict | None:
@@ -119,18 +140,31 @@ def baseline_loop(spec: dict, rank: int, world: int) -> dict | None:
     max_norm = spec["max_grad_norm"] if spec["max_grad_norm"] is not None else math.inf
     plan = BatchPlan(spec["sequences"], spec["batch"], spec["seed"])
 
+    from torch.profiler import record_function
+
+    from automodel.tracking.profile import StepProfiler
+
+    # (the same labels as automodel's step, for --profile; free when not profiling)
+    profiler = StepProfiler(spec["profile_steps"], spec.get("profile_dir", "."), rank, False)
     step_times = []
     for step in range(spec["steps"]):
+        profiler.begin(step + 1)
         start = time.perf_counter()
         [(inputs, labels)] = plan.micro_batches(step, data_rank, data_world,
                                                 spec["batch"] // data_world)
-        logits = model(input_ids=inputs, use_cache=False).logits
-        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
-        loss.backward()  # DDP / FSDP2 average the gradients over the ranks
-        clip_mixed(model, max_norm)
-        opt.step()
+        with record_function("automodel::forward"):
+            logits = model(input_ids=inputs, use_cache=False).logits
+        with record_function("automodel::loss"):
+            loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        with record_function("automodel::backward"):
+            loss.backward()  # DDP / FSDP2 average the gradients over the ranks
+        with record_function("automodel::clip"):
+            clip_mixed(model, max_norm)
+        with record_function("automodel::optimizer"):
+            opt.step()
         opt.zero_grad(set_to_none=True)
         step_times.append(time.perf_counter() - start)
+        profiler.end(step + 1)
 
     # Outside the timed loop: the last step's loss over all ranks, and the peak RSS.
     final = loss.detach().to(torch.float64)
@@ -198,12 +232,20 @@ def measure_once(layout: str, args, threads: int) -> tuple[dict, dict]:
     from automodel.api import load_config, run
 
     overrides = build_overrides(layout, args)
+    if args.profile:
+        overrides.append(f"trainer.profile_steps=[{args.profile[0]},{args.profile[1]}]")
+    profiles = {}
     with tempfile.TemporaryDirectory() as out:
         cfg = load_config(overrides, output_dir=out)
         tokens_per_step = cfg.trainer.global_batch_size * cfg.trainer.seq_len
         records = run(overrides, output_dir=out)
+        if args.profile:
+            profiles["automodel"] = _read_breakdown(out)
     print(f"baseline: {layout} on {NPROC} rank(s), {cfg.trainer.max_steps} steps", flush=True)
-    base = run_baseline(baseline_spec(layout, cfg, threads))
+    with tempfile.TemporaryDirectory() as out:
+        base = run_baseline({**baseline_spec(layout, cfg, threads), "profile_dir": out})
+        if args.profile:
+            profiles["baseline"] = _read_breakdown(out)
 
     # automodel logs every step: its step time is the tokens of one step over its tokens/s.
     auto_times = [tokens_per_step / r["tokens_per_second"] for r in records
@@ -213,7 +255,15 @@ def measure_once(layout: str, args, threads: int) -> tuple[dict, dict]:
     baseline = {"step_time_s": statistics.median(base["step_times"][args.warmup:]),
                 "final_loss": base["final_loss"],
                 "peak_memory_bytes": base["peak_memory_bytes"]}
+    for side, values in ((auto, profiles.get("automodel")), (baseline, profiles.get("baseline"))):
+        if values is not None:
+            side["profile_seconds_per_step"] = values
     return auto, baseline
+
+
+def _read_breakdown(out: str) -> dict:
+    with open(os.path.join(out, "profile", "breakdown_rank0.json")) as f:
+        return json.load(f)["seconds_per_step"]
 
 
 def compare(layout: str, args, threads: int) -> dict:
@@ -226,6 +276,8 @@ def compare(layout: str, args, threads: int) -> dict:
         result[side] = {"step_time_s": min(medians), "step_time_s_per_repeat": medians,
                         "final_loss": runs[-1][i]["final_loss"],
                         "peak_memory_bytes": max(r[i]["peak_memory_bytes"] for r in runs)}
+        if "profile_seconds_per_step" in runs[-1][i]:
+            result[side]["profile_seconds_per_step"] = runs[-1][i]["profile_seconds_per_step"]
     auto, baseline = result["automodel"], result["baseline"]
     result.update(step_time_ratio=auto["step_time_s"] / baseline["step_time_s"],
                   peak_memory_ratio=auto["peak_memory_bytes"] / baseline["peak_memory_bytes"],
@@ -249,6 +301,21 @@ def print_table(results: dict) -> None:
               f"{a['final_loss']:>10.5f} {b['final_loss']:>10.5f} {'yes' if ok else 'NO':>7}")
 
 
+def print_profiles(results: dict) -> None:
+    """Seconds per step of each phase, both sides, from the last repeat's profiled steps."""
+    for name, r in results.items():
+        a = r["automodel"].get("profile_seconds_per_step")
+        b = r["baseline"].get("profile_seconds_per_step")
+        if a is None or b is None:
+            continue
+        print(f"\nwhere the step goes, {name} (ms per step, rank 0; the phases include the "
+              "collectives inside them)")
+        print(f"{'phase':<32} {'automodel':>10} {'baseline':>10} {'diff':>8}")
+        for key in a:
+            print(f"{key:<32} {a[key] * 1e3:>10.1f} {b[key] * 1e3:>10.1f} "
+                  f"{(a[key] - b[key]) * 1e3:>+8.1f}")
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layouts", nargs="+", choices=sorted(LAYOUTS),
@@ -264,6 +331,11 @@ def main(argv=None) -> None:
     p.add_argument("--override", action="append", default=[],
                    help="extra Hydra override for automodel (repeatable); model/data/optim/"
                         "trainer values reach the baseline too, parallelism options do not")
+    p.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=["default"],
+                   help="model shapes (untied embeddings); default: --hidden/--layers")
+    p.add_argument("--profile", nargs=2, type=int, metavar=("FIRST", "LAST"),
+                   help="profile these steps on both sides (trainer.profile_steps) and print "
+                        "where the step time goes")
     p.add_argument("--json", metavar="PATH", help="also write the numbers here")
     args = p.parse_args(argv)
     if args.steps <= args.warmup or args.repeats < 1:
@@ -278,12 +350,19 @@ def main(argv=None) -> None:
 
     print(f"torch {torch.__version__}, {NPROC} ranks x {threads} thread(s), layouts: "
           f"{', '.join(args.layouts)}", flush=True)
-    results = {layout: compare(layout, args, threads) for layout in args.layouts}
+    results = {}
+    for shape in args.shapes:
+        args.shape = shape
+        for layout in args.layouts:
+            name = layout if shape == "default" else f"{shape}/{layout}"
+            results[name] = compare(layout, args, threads)
     print(f"\n{args.steps} steps ({args.warmup} warm-up left out of the medians), "
           f"best of {args.repeats} run(s) per side, batch "
           f"{args.batch} x seq {args.seq_len}, hidden {args.hidden}, {args.layers} layers, "
           f"torch {torch.__version__}; ratios are automodel / baseline")
     print_table(results)
+    if args.profile:
+        print_profiles(results)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"torch": torch.__version__, "nproc": NPROC, "threads": threads,

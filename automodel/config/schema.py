@@ -274,6 +274,7 @@ class TrainerConfig:
     prefetch_steps: int = 1  # steps of micro-batches read ahead in a background thread; 0: none
     loss: str = "auto"  # fused: the LM head and the loss together, chunked | plain | auto
     loss_chunk_tokens: int = 1024  # tokens per chunk of the fused loss
+    profile_steps: Optional[List[int]] = None  # [first, last]: torch.profiler over those steps
 
 
 # --------------------------------------------------------------------------- tracking

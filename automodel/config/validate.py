@@ -283,6 +283,11 @@ def check_data_with_layout(source: str, data, trainer: s.TrainerConfig, mesh: s.
     _positive("trainer.eval_every", trainer.eval_every, 0)
     _positive("trainer.prefetch_steps", trainer.prefetch_steps, 0)
     _positive("trainer.loss_chunk_tokens", trainer.loss_chunk_tokens, 1)
+    steps = trainer.profile_steps
+    if steps is not None and not (len(steps) == 2 and 1 <= steps[0] <= steps[1]
+                                  <= trainer.max_steps):
+        raise ConfigError(f"trainer.profile_steps={list(steps)}: [first, last] step numbers "
+                          f"with 1 <= first <= last <= trainer.max_steps={trainer.max_steps}")
     if trainer.loss not in LOSSES:
         raise ConfigError(f"trainer.loss={trainer.loss!r}: allowed: {', '.join(LOSSES)} (auto: "
                           "the LM head fused with the loss where that is exact)")

@@ -12,9 +12,52 @@ samples give micro-batches with extra model inputs (positions, images).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 IGNORE_INDEX = -100  # a label position with nothing to learn (cross-entropy skips it)
+
+
+FULL_SHUFFLE_ROWS = 1 << 24  # beyond this, a shuffle whose memory does not grow with the rows
+
+
+class FeistelShuffle:
+    """A seeded permutation of ``n`` rows computed per position, in constant memory: a
+    four-round Feistel network over the smallest even power of two >= ``n``, walked again
+    until it lands below ``n`` (a bijection of ``0..n-1``)."""
+
+    MULTIPLIERS = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
+
+    def __init__(self, n: int, seed: int):
+        self.n = n
+        self.half = max(1, ((n - 1).bit_length() + 1) // 2)
+        self.mask = np.uint64((1 << self.half) - 1)
+        keys = np.random.default_rng(seed).integers(0, 2**63, size=4, dtype=np.int64)
+        self.keys = keys.astype(np.uint64)
+
+    def _mix(self, x: np.ndarray, key: np.uint64) -> np.ndarray:
+        a, b, c = (np.uint64(m) for m in self.MULTIPLIERS)
+        x = (x ^ key) * a
+        x ^= x >> np.uint64(31)
+        x *= b
+        x ^= x >> np.uint64(27)
+        x *= c
+        return x ^ (x >> np.uint64(31))
+
+    def _round_trip(self, x: np.ndarray) -> np.ndarray:
+        h = np.uint64(self.half)
+        left, right = x >> h, x & self.mask
+        for key in self.keys:
+            left, right = right, left ^ (self._mix(right, key) & self.mask)
+        return (left << h) | right
+
+    def __getitem__(self, index: slice) -> torch.Tensor:
+        x = np.arange(*index.indices(self.n), dtype=np.uint64)
+        with np.errstate(over="ignore"):
+            x = self._round_trip(x)
+            while (outside := x >= self.n).any():
+                x[outside] = self._round_trip(x[outside])
+        return torch.from_numpy(x.astype(np.int64))
 
 
 class BatchPlan:
@@ -37,13 +80,17 @@ class BatchPlan:
         """Passes over the rows after ``steps`` global batches."""
         return steps / self.batches_per_epoch
 
-    def _permutation(self, epoch: int) -> torch.Tensor:
+    def _permutation(self, epoch: int):
+        """The epoch's order of the rows (indexable by a slice of positions)."""
         if epoch != self._epoch:
-            if self.shuffle:
+            n = len(self.sequences)
+            if not self.shuffle:
+                self._order = torch.arange(n)
+            elif n <= FULL_SHUFFLE_ROWS:  # 4 bytes a row, on every rank
                 gen = torch.Generator().manual_seed(self.seed + epoch)
-                self._order = torch.randperm(len(self.sequences), generator=gen)
+                self._order = torch.randperm(n, generator=gen, dtype=torch.int32)
             else:
-                self._order = torch.arange(len(self.sequences))
+                self._order = FeistelShuffle(n, self.seed + epoch)
             self._epoch = epoch
         return self._order
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import os
+import string
 from pathlib import Path
 
 _BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".arrow": "arrow",
@@ -71,10 +72,29 @@ def fingerprint(path: str, split: str) -> str:
     return h.hexdigest()
 
 
-def open_records(path: str, split: str):
-    """(an iterable of the split's records, their number or None when streaming)."""
+def _fields(text_field: str, template: str | None) -> list[str]:
+    if template is None:
+        return [text_field]
+    names = [name for _, name, _, _ in string.Formatter().parse(template) if name]
+    return list(dict.fromkeys(name.split(".")[0].split("[")[0] for name in names))
+
+
+def _missing(wanted: list[str], have: list[str], where: str, text_field: str,
+             template: str | None) -> None:
+    lost = [f for f in wanted if f not in have]
+    if lost:
+        key = "data.text_field" if template is None else "data.template"
+        raise ValueError(f"{where}: no field {lost[0]!r} ({key}); the records have "
+                         f"{sorted(have)}")
+
+
+def iter_documents(path: str, split: str, text_field: str, template: str | None):
+    """(the split's document texts, their number or None), read in column batches: a saved
+    dataset or parquet files through arrow, other files through datasets' streaming."""
     import datasets
 
+    wanted = _fields(text_field, template)
+    where = f"data.path={path!r} (split {split!r})"
     p = Path(path)
     if _is_saved_dataset(p):
         try:
@@ -87,8 +107,24 @@ def open_records(path: str, split: str):
                 raise ValueError(f"data.split={split!r}: the dataset at {path} has the splits "
                                  f"{sorted(ds)}")
             ds = ds[split]
-        return ds, len(ds)
+        _missing(wanted, ds.column_names, where, text_field, template)
+        batches = (b for b in ds.select_columns(wanted).iter(batch_size=1024))
+        return _texts(batches, text_field, template, where), len(ds)
     files = data_files(path)
+    if Path(files[0]).suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        def parquet_batches():
+            for f in files:
+                pf = pq.ParquetFile(f)
+                _missing(wanted, pf.schema_arrow.names, f"{where}, {f}", text_field, template)
+                for batch in pf.iter_batches(batch_size=1024, columns=wanted):
+                    yield batch.to_pydict()
+
+        total = sum(pq.ParquetFile(f).metadata.num_rows for f in files)
+        if not total:
+            raise ValueError(f"data.path={path!r}: no documents in {len(files)} file(s)")
+        return _texts(parquet_batches(), text_field, template, where), total
     builder = _BUILDERS[Path(files[0]).suffix]
     try:
         ds = datasets.load_dataset(builder, data_files={split: files}, split=split,
@@ -98,7 +134,19 @@ def open_records(path: str, split: str):
     except Exception as err:
         raise ValueError(f"cannot read the data files of data.path={path!r}: "
                          f"{type(err).__name__}: {err}") from None
-    return ds, None
+    records = ({k: [v] for k, v in r.items()} for r in ds)
+    return _texts(records, text_field, template, where), None
+
+
+def _texts(batches, text_field: str, template: str | None, where: str):
+    """Document texts from column batches ({field: [values]})."""
+    count = 0
+    for batch in batches:
+        columns = list(batch)
+        for row in zip(*batch.values()):
+            yield document_text(dict(zip(columns, row)), text_field, template,
+                                f"{where}, record {count}")
+            count += 1
 
 
 def _render(value) -> str:

@@ -10,7 +10,8 @@ format version; change any and a new entry is built.
 One process builds an entry while the others wait on a file lock beside it (the launcher
 before it starts ranks; under torchrun or SLURM the first rank to get there). It writes into a
 temporary folder renamed into place when complete, so an interrupted build leaves nothing a
-later run would read. The fast tokenizers encode each batch of documents on all cores.
+later run would read. A fast tokenizer encodes each batch of documents on all cores (byte-level
+tokens are a single-threaded copy).
 """
 
 from __future__ import annotations
@@ -98,19 +99,22 @@ def build_entry(folder: Path, texts: Iterable[str], total: int | None, encode: E
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     dtype = token_dtype(encode.max_id)
-    starts, offset, max_token, batch = [], 0, -1, []
+    offset, num_docs, max_token, batch = 0, 0, -1, []
     bar = tqdm(total=total, unit="doc", desc=f"tokenizing {describe}", file=sys.stderr,
                mininterval=2.0, disable=None)
     try:
-        with open(tmp / TOKENS, "wb") as out:
+        # tokens and document starts go straight to disk: memory stays one batch
+        with open(tmp / TOKENS, "wb") as out, open(tmp / "doc_starts.raw", "wb") as starts:
             def flush():
-                nonlocal offset, max_token
+                nonlocal offset, num_docs, max_token
                 flat, lengths = encode(batch)
-                starts.append(offset + np.concatenate([[0], np.cumsum(lengths)[:-1]]))
+                (offset + np.concatenate([[0], np.cumsum(lengths)[:-1]])).astype(
+                    np.int64).tofile(starts)
                 offset += int(lengths.sum())
+                num_docs += len(lengths)
                 if flat.size:
                     max_token = max(max_token, int(flat.max()))
-                flat.astype(dtype).tofile(out)
+                flat.astype(dtype, copy=False).tofile(out)
                 bar.update(len(batch))
                 batch.clear()
 
@@ -121,12 +125,18 @@ def build_entry(folder: Path, texts: Iterable[str], total: int | None, encode: E
             if batch:
                 flush()
         bar.close()
-        doc_starts = (np.concatenate(starts) if starts else np.zeros(0)).astype(np.int64)
-        if not len(doc_starts):
+        if not num_docs:
             raise ValueError(f"{describe}: no documents (an empty dataset or split)")
-        np.save(tmp / DOC_STARTS, doc_starts)
-        write_meta(tmp, dtype=np.dtype(dtype).name, num_tokens=offset,
-                   num_docs=int(len(doc_starts)), max_token=max_token, source=describe)
+        raw = np.memmap(tmp / "doc_starts.raw", dtype=np.int64, mode="r", shape=(num_docs,))
+        saved = np.lib.format.open_memmap(tmp / DOC_STARTS, mode="w+", dtype=np.int64,
+                                          shape=(num_docs,))
+        for i in range(0, num_docs, 1 << 22):
+            saved[i:i + (1 << 22)] = raw[i:i + (1 << 22)]
+        saved.flush()
+        del raw, saved
+        (tmp / "doc_starts.raw").unlink()
+        write_meta(tmp, dtype=np.dtype(dtype).name, num_tokens=offset, num_docs=num_docs,
+                   max_token=max_token, source=describe)
         os.replace(tmp, folder)
     except BaseException:
         bar.close()
@@ -166,12 +176,10 @@ def hf_stream(data, split: str) -> TokenStream:
     folder = cache_root(data.cache_dir) / f"{name}-{split}-{key}"
 
     def build(target: Path) -> None:
-        records, total = hf_dataset.open_records(data.path, split)
-        where = f"data.path={data.path!r} (split {split!r})"
-        texts = (hf_dataset.document_text(r, data.text_field, data.template,
-                                          f"{where}, record {i}")
-                 for i, r in enumerate(records))
-        build_entry(target, texts, total, Encoder(data.tokenizer_path), where)
+        texts, total = hf_dataset.iter_documents(data.path, split, data.text_field,
+                                                 data.template)
+        build_entry(target, texts, total, Encoder(data.tokenizer_path),
+                    f"data.path={data.path!r} (split {split!r})")
 
     return ensure_entry(folder, build)
 

@@ -72,7 +72,7 @@ class TokenRows:
                 raise IndexError("TokenRows: only contiguous slices")
             return TokenRows(self.stream, self.width - 1, self.pack_boundaries,
                              self.first + start, self.first + stop)
-        rows = torch.as_tensor(index).reshape(-1).numpy() + self.first
+        rows = torch.as_tensor(index).reshape(-1).numpy().astype(np.int64) + self.first
         offsets = rows[:, None] * self.width + np.arange(self.width)
         tokens = torch.from_numpy(np.asarray(self.stream.tokens[offsets.reshape(-1)],
                                              dtype=np.int64).reshape(len(rows), self.width))

@@ -22,6 +22,7 @@ from typing import NamedTuple, Optional
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torch.profiler import record_function
 
 from automodel.data.batches import IGNORE_INDEX
 from automodel.distributed.setup import DistributedSetup
@@ -208,10 +209,13 @@ def forward_loss(model, setup: DistributedSetup, batch, extra_args: dict | None 
     args = {"position_ids": positions.expand_as(inputs), **extras, **(extra_args or {})}
     packed = extras.get("position_ids") is not None
     with autocast_context(setup), unpacked_sequences(packed):
-        out = model(input_ids=inputs, use_cache=False, **args)
-        if head_loss is not None:
-            return out, head_loss(out.logits, labels)
-    return out, summed_cross_entropy(out.logits, labels)
+        with record_function("automodel::forward"):
+            out = model(input_ids=inputs, use_cache=False, **args)
+        with record_function("automodel::loss"):
+            if head_loss is not None:
+                return out, head_loss(out.logits, labels)
+    with record_function("automodel::loss"):
+        return out, summed_cross_entropy(out.logits, labels)
 
 
 def train_step(model, setup: DistributedSetup, micro_batches, max_grad_norm,
@@ -246,7 +250,8 @@ def train_step(model, setup: DistributedSetup, micro_batches, max_grad_norm,
                     objective = objective + aux * (router_loss.coef * setup.grad_average_size
                                                    / sequences)
                     sums[1] += aux.detach().to(torch.float64)
-                objective.backward()
+                with record_function("automodel::backward"):
+                    objective.backward()
         except RuntimeError as err:
             if setup.strategy == "ddp":
                 raise _ddp_hint(err) from err
@@ -254,7 +259,8 @@ def train_step(model, setup: DistributedSetup, micro_batches, max_grad_norm,
         sums[0] += mb_loss.detach().to(torch.float64)
     if setup.strategy == "megatron_fsdp":
         model.finish_grad_sync()  # its gradient reduction runs on; clipping needs it done
-    grad_norm = grad_norm_and_clip(model.parameters(), max_grad_norm)
+    with record_function("automodel::clip"):
+        grad_norm = grad_norm_and_clip(model.parameters(), max_grad_norm)
     sums = _all_reduce_sum(sums, group)
     extra = {"aux_loss": sums[1] / sequences} if router_loss is not None else None
     return StepStats(sums[0] / global_tokens, grad_norm, global_tokens, extra)

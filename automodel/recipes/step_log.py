@@ -24,6 +24,13 @@ def local_peak_memory_bytes(info: DistInfo) -> int:
     counters, no device read; ``read_step`` takes the largest over all ranks)."""
     if info.device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(info.device))
+    try:  # the process's own peak (ru_maxrss would carry the launcher's over the exec)
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: in KiB
 
 

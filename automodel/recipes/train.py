@@ -13,6 +13,7 @@ import warnings
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from automodel.checkpoint.manager import Checkpointer
 from automodel.checkpoint.paths import checkpoint_root, complete_checkpoints
@@ -50,6 +51,7 @@ from automodel.recipes.router_loss import RouterLoss
 from automodel.recipes.step import train_step
 from automodel.recipes.step_log import StepLog
 from automodel.recipes.step_values import read_step
+from automodel.tracking.profile import StepProfiler
 
 log = logging.getLogger("automodel")
 
@@ -162,6 +164,7 @@ def _train(cfg: TrainConfig, info: DistInfo, output_dir: str) -> list[dict]:
     steplog = StepLog(cfg, info, output_dir, start_step, last_step)
     saved_step, number, stopped_by = start_step, start_step, None
     stop = StopSignal().install()
+    profiler = StepProfiler(t.profile_steps, output_dir, info.rank, info.is_main)
     batches = Prefetcher(
         lambda step: plan.micro_batches(step, setup.dp_rank, setup.dp_size, t.local_batch_size),
         t.prefetch_steps, last_step, pin_memory=setup.device.type == "cuda")
@@ -180,6 +183,7 @@ def _train(cfg: TrainConfig, info: DistInfo, output_dir: str) -> list[dict]:
             for step in range(start_step, last_step):
                 number = step + 1
                 faults.before_step(number)
+                profiler.begin(number)
                 started = time.perf_counter()
                 lr = scheduler.get_last_lr()[0]
                 micro = batches.get(step)
@@ -196,11 +200,13 @@ def _train(cfg: TrainConfig, info: DistInfo, output_dir: str) -> list[dict]:
                 # same branches. Before the optimizer step, which a non-finite step never runs.
                 values = read_step(stats, info, stop.received)
                 if values.finite:
-                    optimizer.step()
+                    with record_function("automodel::optimizer"):
+                        optimizer.step()
                 else:
                     _nonfinite(number, values.loss, values.grad_norm, t.on_nonfinite, saved_step)
                 optimizer.zero_grad(set_to_none=True)
                 scheduler.step()
+                profiler.end(number)
                 seconds = time.perf_counter() - started
                 eval_loss = (evaluator(parallel.parts) if evaluator is not None
                              and values.finite and evaluator.due(number) else None)
