@@ -10,6 +10,11 @@ rank); a step is the 1-based number of the optimizer step:
                      shards are written and before the checkpoint is made complete
     sleep@0.2        every step sleeps 0.2 s on every rank (keeps a short run alive long
                      enough to signal it)
+    raise@3:1        rank 1 raises at the start of step 3 a RuntimeError chained from a
+                     ValueError (the root cause a failure summary must name)
+    enospc_in_save@4 the save of step 4's checkpoint fails as a full disk does: an
+                     OSError(ENOSPC) inside the writer, re-raised as a RuntimeError (for file
+                     systems a test cannot fill)
 
 Everything injected runs through the real code path (real NaNs, real SIGKILL).
 """
@@ -22,7 +27,7 @@ import time
 from dataclasses import dataclass
 
 ENV = "AUTOMODEL_FAULTS"
-KINDS = ("nan", "kill", "kill_in_save", "sleep")
+KINDS = ("nan", "kill", "kill_in_save", "sleep", "raise", "enospc_in_save")
 
 
 @dataclass(frozen=True)
@@ -63,6 +68,11 @@ class Faults:
                 time.sleep(f.value)
         if self._at("kill", step):
             os.kill(os.getpid(), signal.SIGKILL)
+        if self._at("raise", step):
+            try:
+                raise ValueError(f"injected root cause at step {step}")
+            except ValueError as cause:
+                raise RuntimeError("injected wrapper") from cause
 
     def poison_logits(self, step: int, modules) -> list:
         """Hooks that turn the logits of ``step`` into NaN; remove them after the step."""
@@ -73,6 +83,14 @@ class Faults:
     def in_save(self, step: int) -> None:
         if self._at("kill_in_save", step):
             os.kill(os.getpid(), signal.SIGKILL)
+        if self._at("enospc_in_save", step):
+            import errno
+
+            try:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            except OSError as cause:
+                raise RuntimeError("[enforce fail at inline_container.cc] . PytorchStreamWriter "
+                                   "failed writing file data") from cause
 
 
 def _nan_output(module, args, output):

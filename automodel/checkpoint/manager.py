@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import shutil
 import warnings
@@ -24,16 +25,20 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
     set_state_dict,
 )
 
+from automodel.checkpoint.errors import CheckpointWriteError
 from automodel.checkpoint.paths import checkpoint_path, complete_checkpoints
 from automodel.checkpoint.verify import CheckpointError, check_files, check_keys
+from automodel.launch.failure import describe, no_space, os_error, size
 
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+log = logging.getLogger(__name__)
 
 
 def _barrier():
@@ -75,6 +80,17 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def _state_bytes(state: dict) -> int:
+    """Bytes of this rank's tensors in ``state`` (its shards of DTensors)."""
+    flat, _ = flatten_state_dict(state)
+    total = 0
+    for value in flat.values():
+        if isinstance(value, torch.Tensor):
+            local = value.to_local() if hasattr(value, "to_local") else value
+            total += local.numel() * local.element_size()
+    return total
+
+
 def _gather(obj) -> list:
     if dist.is_initialized() and dist.get_world_size() > 1:
         out: list = [None] * dist.get_world_size()
@@ -84,19 +100,59 @@ def _gather(obj) -> list:
 
 
 class Checkpointer:
-    def __init__(self, root: str, keep_last: int | None, rank: int, faults=None):
+    def __init__(self, root: str, keep_last: int | None, rank: int, faults=None,
+                 size_estimate: int = 0):
         self.root = root
         self.keep_last = keep_last
         self.rank = rank
         self.faults = faults
+        self.size_estimate = size_estimate  # bytes of one checkpoint (for messages)
 
     def path(self, step: int) -> str:
         return checkpoint_path(self.root, step)
 
     def save(self, step: int, parts, optimizers, scheduler, model_config=None,
              extra: dict | None = None, export_hf: bool = False) -> str:
-        final = self.path(step)
+        """Write the checkpoint of ``step``; a file-system failure (a full disk) raises
+        ``CheckpointWriteError`` naming the path, the space needed and free, and the last
+        complete checkpoint, after removing the unfinished one."""
         tmp = os.path.join(self.root, f".tmp-step_{step:08d}")
+        try:
+            return self._save(step, tmp, parts, optimizers, scheduler, model_config, extra,
+                              export_hf)
+        except (Exception, CheckpointException) as err:
+            free = shutil.disk_usage(self.root).free if os.path.isdir(self.root) else None
+            # a full disk does not always say so (torch's writer may report only "unexpected
+            # pos"): a save that fails with the file system (nearly) full is taken as one
+            full = no_space(err) or (free is not None
+                                     and free < max(self.size_estimate, 1 << 20))
+            if os_error(err) is None and not full:
+                raise
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointWriteError(self._write_failure(step, tmp, err, full, free)) \
+                from err
+
+    def _write_failure(self, step: int, tmp: str, err: BaseException, full: bool,
+                       free: int | None) -> str:
+        cause = describe(err)
+        if full:
+            cause = (f"no space left on the device (ENOSPC: {cause})" if no_space(err) else
+                     f"no space left on the device (ENOSPC: the file system is full; the "
+                     f"writer said {cause})")
+        found = complete_checkpoints(self.root)
+        need = f"it needs about {size(self.size_estimate)}, " if self.size_estimate else ""
+        space = f"{need}{size(free)} free there; " if free is not None else ""
+        fix = ("free space, or point checkpoint.dir elsewhere (checkpoint.keep_last bounds how "
+               "many are kept)" if full else "fix the file system")
+        last = (f"the last complete checkpoint is {found[-1]}: {fix}, then run again with "
+                "checkpoint.resume=auto" if found else f"no complete checkpoint exists: {fix}")
+        return (f"cannot write the checkpoint of step {step} to {self.path(step)}: {cause}. "
+                f"{space}the unfinished {tmp} was removed; {last}")
+
+    def _save(self, step: int, tmp: str, parts, optimizers, scheduler, model_config, extra,
+              export_hf: bool) -> str:
+        final = self.path(step)
         if self.rank == 0:
             os.makedirs(self.root, exist_ok=True)
             for name in os.listdir(self.root):  # an earlier save that never finished
@@ -104,9 +160,11 @@ class Checkpointer:
                     shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
             os.makedirs(tmp)
         _barrier()
+        state = _merged(_part_states(parts, optimizers))
+        self.size_estimate = max(self.size_estimate, _state_bytes(state) * (
+            dist.get_world_size() if dist.is_initialized() else 1))  # (for a failure message)
         with _quiet_single_process():
-            dcp.save(_merged(_part_states(parts, optimizers)), checkpoint_id=tmp,
-                     no_dist=not dist.is_initialized())
+            dcp.save(state, checkpoint_id=tmp, no_dist=not dist.is_initialized())
         torch.save(_rng_state(), os.path.join(tmp, f"rng_rank{self.rank}.pt"))
         if self.faults is not None:
             self.faults.in_save(step)
@@ -166,6 +224,34 @@ class Checkpointer:
         if os.path.isfile(rng):  # (a rank the saving job did not have keeps its own)
             _set_rng_state(torch.load(rng))
         return int(trainer["step"])
+
+
+def checkpoint_bytes(params: int, trainable: int, param_bytes: int) -> int:
+    """About the size of one checkpoint: the parameters and AdamW's two states per trainable
+    parameter, in the parameters' dtype."""
+    return (params + 2 * trainable) * param_bytes
+
+
+def warn_if_short_of_space(root: str, per_checkpoint: int, ckpt, max_steps: int) -> None:
+    """At start-up: warn when the file system of ``root`` cannot hold the checkpoints this run
+    keeps (``checkpoint.keep_last`` of them, plus the one being written, plus HF exports)."""
+    saves = max_steps // ckpt.every_steps if ckpt.every_steps else 0
+    if ckpt.export_hf and not saves:
+        saves = 1  # the final one
+    if not saves:
+        return
+    kept = min(saves, ckpt.keep_last) if ckpt.keep_last else saves
+    each = per_checkpoint * (1.5 if ckpt.export_hf else 1.0)  # (an export holds the weights)
+    need = int(each * min(kept + 1, saves))
+    where = root
+    while not os.path.isdir(where) and os.path.dirname(where) != where:
+        where = os.path.dirname(where)
+    free = shutil.disk_usage(where).free
+    if free < need:
+        log.warning("checkpoint.dir: %s has %s free, but this run's checkpoints need about %s "
+                    "(%d kept of about %s each, one more while a new one is written): the run "
+                    "may stop at a save; free space, point checkpoint.dir elsewhere or lower "
+                    "checkpoint.keep_last", where, size(free), size(need), kept, size(each))
 
 
 __all__ = ["Checkpointer", "CheckpointError"]

@@ -37,6 +37,7 @@ from automodel.data.token_stream import (
     token_dtype,
     write_meta,
 )
+from automodel.launch.failure import FileWriteError
 
 log = logging.getLogger(__name__)
 BATCH = 1024  # documents tokenized together
@@ -138,6 +139,12 @@ def build_entry(folder: Path, texts: Iterable[str], total: int | None, encode: E
         write_meta(tmp, dtype=np.dtype(dtype).name, num_tokens=offset, num_docs=num_docs,
                    max_token=max_token, source=describe)
         os.replace(tmp, folder)
+    except OSError as err:
+        bar.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise FileWriteError(f"cannot write the token cache {folder}: {type(err).__name__}: "
+                             f"{err}; free space there or set data.cache_dir elsewhere "
+                             "(the unfinished entry was removed)") from err
     except BaseException:
         bar.close()
         shutil.rmtree(tmp, ignore_errors=True)

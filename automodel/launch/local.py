@@ -10,21 +10,26 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import multiprocessing
 import os
 import signal
 import socket
 import sys
 import threading
 
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from automodel.config.resolve import TrainConfig
+from automodel.launch import failure
 from automodel.launch.errors import LaunchError, TrainingStopped
 from automodel.launch.signals import STOP_SIGNALS
 
 log = logging.getLogger(__name__)
+# failures that are not ``Exception``s: torch.distributed.checkpoint's CheckpointException
+FAILURE_BASES = (CheckpointException,)
 
 
 def free_port() -> int:
@@ -34,25 +39,50 @@ def free_port() -> int:
 
 
 @record
-def _rank_entry(cfg: TrainConfig):
+def _rank_entry(cfg: TrainConfig, channel=None):
     from automodel.recipes.train import run_rank
 
+    failure.connect(channel)
     try:
         return run_rank(cfg)
     except TrainingStopped as stopped:  # a clean end: exit now with the shell's code for the
         # signal (the agent may be shutting down and no longer collects results)
         sys.exit(stopped.exit_code)
+    except (Exception, *FAILURE_BASES) as err:
+        failure.report(err, int(os.environ.get("RANK", 0)))
+        raise
 
 
-def _failure_message(err) -> str:
-    lines = []
-    for rank, failure in sorted(err.failures.items()):
-        detail = failure.message
+def _failure_message(err, channel) -> str:
+    reports = {}
+    while channel is not None and not channel.empty():
+        rank, where, what = channel.get()
+        reports.setdefault(rank, (where, what))  # (a rank's first report)
+    failures = {}
+    for rank, f in err.failures.items():
+        detail = f.message
         if isinstance(detail, dict):  # the error file's {"message": ..., "extraInfo": ...}
             detail = detail.get("message", detail)
-        detail = str(detail).strip() or "no error message (killed by a signal?)"
-        lines.append(f"rank {rank} failed (exit code {failure.exitcode}): {detail}")
-    return "\n".join(lines)
+        failures[rank] = (f.exitcode, str(detail).strip())
+    return failure.launcher_message(failures, reports)
+
+
+def _run_here(cfg: TrainConfig, external: bool):
+    """This process is the rank (one process, torchrun, a SLURM task): its failure is
+    summarized on its stderr and, under torch elastic, in the error file the agent reads."""
+    from automodel.checkpoint.verify import CheckpointError
+    from automodel.recipes.train import run_rank
+
+    try:
+        return run_rank(cfg)
+    except (TrainingStopped, CheckpointError):  # (a checkpoint error explains itself)
+        raise
+    except (Exception, *FAILURE_BASES) as err:
+        rank = int(os.environ.get("RANK", 0))
+        if external and os.environ.get("TORCHELASTIC_ERROR_FILE"):
+            failure.report(err, rank)
+            failure.write_error_file(os.environ["TORCHELASTIC_ERROR_FILE"], err, rank)
+        raise LaunchError(failure.summary(err, rank)) from err
 
 
 def run_on_local_ranks(entry, nproc: int, *args, name: str = "automodel",
@@ -101,29 +131,30 @@ def _user_signals_stop():
 
 def launch(cfg: TrainConfig):
     """Run the job; returns rank 0's result (its metric records)."""
-    from automodel.recipes.train import run_rank
-
     if cfg.launch.kind == "slurm":  # this srun task is one rank
         from automodel.launch.slurm import export_rank_environment
 
         export_rank_environment()
-        return run_rank(cfg)
+        return _run_here(cfg, external=True)
     if cfg.launch.external or cfg.distributed.nproc_per_node == 1:
-        return run_rank(cfg)  # (raises TrainingStopped after a stop signal)
+        return _run_here(cfg, cfg.launch.external)  # (TrainingStopped after a stop signal)
 
     nproc = cfg.distributed.nproc_per_node
     threads = max(1, (os.cpu_count() or 1) // nproc)
     saved = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "AUTOMODEL_NUM_THREADS")}
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     os.environ.setdefault("AUTOMODEL_NUM_THREADS", os.environ["OMP_NUM_THREADS"])
+    # the ranks' failure summaries come back through a queue, not a file (a full disk must
+    # not silence them)
+    channel = multiprocessing.get_context("spawn").SimpleQueue()
     try:
-        results = run_on_local_ranks(_rank_entry, nproc, cfg,
+        results = run_on_local_ranks(_rank_entry, nproc, cfg, channel,
                                      stop_grace_seconds=cfg.distributed.stop_grace_seconds)
     except ChildFailedError as err:
         codes = {f.exitcode for f in err.failures.values()}
         if codes <= {128 + s for s in STOP_SIGNALS}:  # the ranks were signalled and saved
             raise _stopped(cfg, min(codes) - 128) from None
-        raise LaunchError(_failure_message(err)) from None
+        raise LaunchError(_failure_message(err, channel)) from None
     except SignalException as err:  # this process was told to stop; its ranks saved
         raise _stopped(cfg, int(err.sigval)) from None
     finally:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 import time
 import warnings
 
@@ -15,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from automodel.checkpoint.manager import Checkpointer
+from automodel.checkpoint.manager import Checkpointer, checkpoint_bytes, warn_if_short_of_space
 from automodel.checkpoint.paths import checkpoint_root, complete_checkpoints
 from automodel.config.resolve import TrainConfig
 from automodel.data.batches import BatchPlan
@@ -41,6 +42,7 @@ from automodel.distributed.patches import patch_is_packed_sequence
 from automodel.distributed.setup import DistributedSetup, named_hook
 from automodel.faults import Faults
 from automodel.launch.errors import TrainingStopped
+from automodel.launch.failure import set_phase
 from automodel.launch.signals import StopSignal
 from automodel.models.builder import build_meta_model, build_model
 from automodel.optim import Optimizers, Schedulers
@@ -56,6 +58,21 @@ from automodel.tracking.profile import StepProfiler
 log = logging.getLogger("automodel")
 
 
+class LogFileHandler(logging.FileHandler):
+    """``train.log``: a failed write (a full disk) is said once, naming the file and the
+    cause, and training goes on (the console still has the log)."""
+
+    failed = False
+
+    def handleError(self, record) -> None:
+        if self.failed:
+            return
+        self.failed = True
+        err = sys.exc_info()[1]
+        print(f"automodel: cannot write {self.baseFilename}: {type(err).__name__}: {err}; "
+              "the log goes on only on the console", file=sys.stderr, flush=True)
+
+
 def _setup_logging(output_dir: str, info: DistInfo) -> list[logging.Handler]:
     """Rank 0 logs to the console and ``train.log``; returns the handlers it added."""
     root = logging.getLogger()
@@ -64,7 +81,7 @@ def _setup_logging(output_dir: str, info: DistInfo) -> list[logging.Handler]:
         log_file = os.path.abspath(os.path.join(output_dir, "train.log"))
         if not any(getattr(h, "baseFilename", None) == log_file for h in root.handlers):
             os.makedirs(output_dir, exist_ok=True)
-            fh = logging.FileHandler(log_file)
+            fh = LogFileHandler(log_file)
             fh.setFormatter(logging.Formatter(
                 "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
             added.append(fh)
@@ -125,11 +142,13 @@ def _train(cfg: TrainConfig, info: DistInfo, output_dir: str) -> list[dict]:
     setup = build_setup(cfg, info)
     if getattr(cfg.parallelism, "patch_is_packed_sequence", False):
         patch_is_packed_sequence()
+    set_phase("model build")
     model, fill = _initial_model(cfg, info)
     n_params = sum(p.numel() for p in model.parameters())
     n_frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
     model_config = model.config.to_dict()
     router_loss = RouterLoss.of(model)
+    set_phase("parallelize")
     parallel = parallelize(model, setup, fill)
     model = parallel.parts[0]
     optimizer = Optimizers(parallel.parts, cfg.optim)
@@ -138,6 +157,7 @@ def _train(cfg: TrainConfig, info: DistInfo, output_dir: str) -> list[dict]:
         model = parallel.parts[0]
     scheduler = Schedulers(optimizer, cfg.optim, cfg.trainer.max_steps)
     t = cfg.trainer
+    set_phase("data")
     rows, held_out = training_data(cfg.data_source, cfg.data, t.seq_len, cfg.model)
     plan = BatchPlan(rows, t.global_batch_size, t.seed)
     pipeline = (PipelineStep(parallel, setup, t.global_batch_size // setup.dp_size)
@@ -157,8 +177,13 @@ def _train(cfg: TrainConfig, info: DistInfo, output_dir: str) -> list[dict]:
         log.info("model.freeze=%s: %.2fM of %.2fM parameters frozen (not in the optimizer)",
                  list(cfg.model.freeze), n_frozen / 1e6, n_params / 1e6)
     faults = Faults(info.rank)
+    per_checkpoint = checkpoint_bytes(n_params, n_params - n_frozen,
+                                      torch.finfo(getattr(torch, cfg.model.dtype)).bits // 8)
     checkpointer = Checkpointer(checkpoint_root(cfg.checkpoint.dir, output_dir),
-                                cfg.checkpoint.keep_last, info.rank, faults)
+                                cfg.checkpoint.keep_last, info.rank, faults, per_checkpoint)
+    if info.is_main:
+        warn_if_short_of_space(checkpointer.root, per_checkpoint, cfg.checkpoint, t.max_steps)
+    set_phase("checkpoint load")
     start_step = _restore(cfg, checkpointer, parallel.parts, optimizer, scheduler)
     last_step = t.stop_at_step or t.max_steps
     steplog = StepLog(cfg, info, output_dir, start_step, last_step)
@@ -173,6 +198,7 @@ def _train(cfg: TrainConfig, info: DistInfo, output_dir: str) -> list[dict]:
         nonlocal saved_step
         extra = {"tokenizer_path": getattr(cfg.data, "tokenizer_path", None)}
         with _startup_timeout(info):  # rank 0 exports and prunes alone
+            set_phase(f"checkpoint save (step {step_number}, {checkpointer.path(step_number)})")
             path = checkpointer.save(step_number, parallel.parts, optimizer, scheduler,
                                      model_config, extra, export_hf=cfg.checkpoint.export_hf)
         saved_step = step_number
@@ -182,6 +208,7 @@ def _train(cfg: TrainConfig, info: DistInfo, output_dir: str) -> list[dict]:
         with steplog.logging_redirect():
             for step in range(start_step, last_step):
                 number = step + 1
+                set_phase(f"step {number}")
                 faults.before_step(number)
                 profiler.begin(number)
                 started = time.perf_counter()
@@ -208,8 +235,11 @@ def _train(cfg: TrainConfig, info: DistInfo, output_dir: str) -> list[dict]:
                 scheduler.step()
                 profiler.end(number)
                 seconds = time.perf_counter() - started
-                eval_loss = (evaluator(parallel.parts) if evaluator is not None
-                             and values.finite and evaluator.due(number) else None)
+                eval_loss = None
+                if evaluator is not None and values.finite and evaluator.due(number):
+                    set_phase(f"evaluation after step {number}")
+                    eval_loss = evaluator(parallel.parts)
+                    set_phase(f"step {number}")
                 steplog.step(number, values, lr, seconds, plan.epochs(number), eval_loss)
                 if step == start_step:  # start-up (compile, loads, W&B start) is over
                     set_collective_timeout(info.timeout)
@@ -222,7 +252,14 @@ def _train(cfg: TrainConfig, info: DistInfo, output_dir: str) -> list[dict]:
         final = number == t.max_steps and (cfg.checkpoint.every_steps or cfg.checkpoint.export_hf)
         if saved_step != number and (stopped_by is not None or final):
             save(number)
-    finally:
+    except BaseException:
+        # a failing rank leaves at once: no collective here (its peers may be inside another
+        # one, and it would wait out the timeout); the launcher stops them
+        batches.close()
+        stop.restore()
+        steplog.close()
+        raise
+    else:
         batches.close()
         stop.restore()
         set_collective_timeout(info.startup_timeout)  # rank 0 alone finishes W&B
@@ -316,6 +353,7 @@ def run_rank(cfg: TrainConfig) -> list[dict] | None:
     threads = os.environ.get("AUTOMODEL_NUM_THREADS")
     if threads:
         torch.set_num_threads(int(threads))
+    set_phase("process group start")
     info = init_distributed(cfg.distributed.backend, cfg.distributed.timeout_minutes,
                             startup_timeout_minutes=cfg.distributed.startup_timeout_minutes,
                             need_group=cfg.strategy != "none")

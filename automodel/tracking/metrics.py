@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 
+from automodel.launch.failure import FileWriteError
+
 
 class MetricsWriter:
     def __init__(self, output_dir: str, enabled: bool, filename: str = "metrics.jsonl"):
@@ -17,8 +19,12 @@ class MetricsWriter:
 
     def write(self, record: dict) -> None:
         if self._file is not None:
-            self._file.write(json.dumps(record) + "\n")
-            self._file.flush()
+            try:
+                self._file.write(json.dumps(record) + "\n")
+                self._file.flush()
+            except OSError as err:
+                raise FileWriteError(f"cannot write {self.path}: {type(err).__name__}: "
+                                     f"{err}") from err
 
     def close(self) -> None:
         if self._file is not None:

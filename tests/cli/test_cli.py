@@ -99,7 +99,8 @@ def test_a_failing_rank_fails_the_job_and_is_named(tmp_path):
     out = run(["parallelism=ddp", "+model.config.hidden_act=no_such_act"] + QUICK, tmp_path)
     assert out.returncode == 1
     assert "automodel: job failed" in out.stderr
-    assert re.search(r"rank [01] failed \(exit code 1\): KeyError: 'no_such_act'", out.stderr)
+    assert re.search(r"rank [01] failed \(exit code 1\) during model build: KeyError: "
+                     r"'no_such_act'", out.stderr)
 
 
 def test_local_launch_and_torchrun_agree_with_one_output_dir_each(tmp_path):

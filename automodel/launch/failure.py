@@ -1,0 +1,158 @@
+"""What a failed rank reports: where it was (its phase) and the real exception, the root
+cause of a chain first. Importable without torch.
+
+Each rank keeps its current phase (``phase("checkpoint save")``). When it fails it builds a
+one-line summary, prints it to its stderr, and, under the local launcher, sends it to the
+launcher by a queue (no file: a full disk must not silence the report). The launcher's
+failure message then names every failed rank's summary; a rank that sent none (killed by a
+signal, out of memory) is named with its exit code or signal.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import sys
+
+_PHASE = ["start-up"]
+_CHANNEL: list = [None]  # the launcher's queue, in a locally launched rank
+
+
+def set_phase(name: str) -> None:
+    _PHASE[0] = name
+
+
+def current_phase() -> str:
+    return _PHASE[0]
+
+
+@contextlib.contextmanager
+def phase(name: str):
+    previous = _PHASE[0]
+    _PHASE[0] = name
+    try:
+        yield
+    finally:
+        _PHASE[0] = previous
+
+
+def _causes(exc: BaseException):
+    """``exc`` and the exceptions it was raised from, outermost first."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        failures = getattr(exc, "failures", None)  # torch.distributed.checkpoint's wrapper:
+        if isinstance(failures, dict) and failures:  # {rank: (exception, traceback)}
+            inner = next(iter(failures.values()))
+            inner = inner[0] if isinstance(inner, tuple) and inner else inner
+            exc = inner if isinstance(inner, BaseException) else None
+            continue
+        exc = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else ""
+
+
+def describe(exc: BaseException) -> str:
+    """``Type: message`` of the root cause, and of the exception that carried it when that is
+    another one (``OSError: [Errno 28] ... (raised as RuntimeError: ...)``). An automodel
+    error that explains the cause itself (``Explained``) is given as it is."""
+    chain = list(_causes(exc))
+    if isinstance(exc, Explained):
+        return f"{type(exc).__name__}: {exc}"
+    root = chain[-1]
+    text = f"{type(root).__name__}: {_first_line(root) or '(no message)'}"
+    if root is not exc:
+        text += f" (raised as {type(exc).__name__}: {_first_line(exc)[:200]})"
+    return text
+
+
+class Explained(Exception):
+    """An error whose message already says what happened, where, and what to do."""
+
+
+def summary(exc: BaseException, rank: int | None = None) -> str:
+    who = f"rank {rank} " if rank is not None else ""
+    return f"{who}failed during {current_phase()}: {describe(exc)}"
+
+
+def connect(channel) -> None:
+    """In a locally launched rank: where to send the failure summary."""
+    _CHANNEL[0] = channel
+
+
+def report(exc: BaseException, rank: int) -> None:
+    """Print this rank's summary to stderr and hand it to the launcher, if any."""
+    line = f"automodel: {summary(exc, rank)}"
+    print(line, file=sys.stderr, flush=True)
+    if _CHANNEL[0] is not None:
+        with contextlib.suppress(Exception):
+            _CHANNEL[0].put((rank, current_phase(), describe(exc)))
+
+
+def write_error_file(path: str, exc: BaseException, rank: int) -> None:
+    """The error file a torch elastic agent (torchrun) reads for its failure summary: our
+    summary first, then the traceback."""
+    import json
+    import time
+    import traceback
+
+    text = f"automodel: {summary(exc, rank)}"
+    stack = "".join(traceback.format_exception(exc))
+    with contextlib.suppress(OSError):  # (a full disk: the stderr line stands)
+        with open(path, "w") as f:
+            json.dump({"message": {"message": text, "extraInfo": {
+                "py_callstack": f"{text}\n\n{stack}", "timestamp": str(int(time.time()))}}}, f)
+
+
+def launcher_message(failures: dict, reports: dict) -> str:
+    """The launcher's failure message: ``failures`` {rank: (exit code, error file text)} from
+    torch elastic, ``reports`` {rank: (phase, description)} from the ranks."""
+    lines = []
+    order = sorted(failures, key=lambda r: (r not in reports, r))  # who failed, first
+    for rank in order:
+        code, detail = failures[rank]
+        head = f"rank {rank} failed (exit code {code})"
+        if rank in reports:
+            where, what = reports[rank]
+            lines.append(f"{head} during {where}: {what}")
+            continue
+        if detail and not str(detail).startswith("To enable traceback"):
+            lines.append(f"{head}: {detail}")
+            continue
+        if isinstance(code, int) and code < 0:
+            with contextlib.suppress(ValueError):
+                name = signal.Signals(-code).name
+                if reports and -code in (signal.SIGTERM, signal.SIGINT):
+                    lines.append(f"{head}: stopped by {name} after rank {min(reports)} failed")
+                else:
+                    lines.append(f"{head}: killed by {name}, with no error report (out of "
+                                 "memory, or stopped from outside?)")
+                continue
+        lines.append(f"{head}: no error report (its log above has what it printed)")
+    return "\n".join(lines)
+
+
+class FileWriteError(Explained, OSError):
+    """A file of the run could not be written; the message names it and the cause."""
+
+
+def no_space(exc: BaseException) -> bool:
+    """Whether ``exc`` or what it was raised from is a full disk (ENOSPC, or its message)."""
+    import errno
+
+    return any((isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT))
+               or "No space left on device" in str(e) for e in _causes(exc))
+
+
+def os_error(exc: BaseException) -> OSError | None:
+    """The first ``OSError`` in ``exc``'s chain (None: not a file-system failure)."""
+    return next((e for e in _causes(exc) if isinstance(e, OSError)), None)
+
+
+def size(n: float) -> str:
+    """Bytes for a message: ``1.50 GiB``, ``37.2 MiB``."""
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
