@@ -29,8 +29,6 @@ from automodel.distributed.expert_parallel import apply_ep
 from automodel.distributed.fsdp2 import apply_fsdp2, build_policy
 from automodel.distributed.fused_head import apply_fused_head, head_fqn
 from automodel.distributed.mesh import MeshAxis
-from automodel.distributed.pipelining.split import ties_embeddings
-from automodel.distributed.pipelining.stages import split_model
 from automodel.distributed.setup import DistributedSetup
 from automodel.distributed.tensor_parallel import apply_tp, expand_plan
 from automodel.loss import HeadLoss
@@ -59,6 +57,9 @@ def parallelize(model: nn.Module, setup: DistributedSetup,
     if setup.size(MeshAxis.TP) > 1:
         tp_plan = select_tp_plan(model, setup.options.tp_plan)
         expand_plan(model, *tp_plan)  # every pattern must match the whole model
+    if setup.pp_enabled:  # (torch's pipelining imports the compiler stack: only when used)
+        from automodel.distributed.pipelining.split import ties_embeddings
+        from automodel.distributed.pipelining.stages import split_model
     tied = setup.pp_enabled and ties_embeddings(model)
     if setup.pp_enabled:
         parts, stage_ids, num_stages = split_model(

@@ -33,7 +33,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.bias import causal_lower_right
 
 from automodel.distributed.mesh import MeshAxis
 
@@ -214,6 +213,7 @@ class ContextParallel:
         """Which keys [start, end) the last ``chunk`` queries (positions end-chunk..end-1)
         see: causal, and within ``window`` when set."""
         if window is None and like.device.type == "cuda":
+            from torch.nn.attention.bias import causal_lower_right  # (imports dynamo: on use)
             return causal_lower_right(chunk, end - start)
         key = ("mask", chunk, start, end, window, str(like.device), like.dtype)
         if key not in self._index_cache:

@@ -17,7 +17,6 @@ import socket
 import sys
 import threading
 
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -28,8 +27,6 @@ from automodel.launch.errors import LaunchError, TrainingStopped
 from automodel.launch.signals import STOP_SIGNALS
 
 log = logging.getLogger(__name__)
-# failures that are not ``Exception``s: torch.distributed.checkpoint's CheckpointException
-FAILURE_BASES = (CheckpointException,)
 
 
 def free_port() -> int:
@@ -48,8 +45,9 @@ def _rank_entry(cfg: TrainConfig, channel=None):
     except TrainingStopped as stopped:  # a clean end: exit now with the shell's code for the
         # signal (the agent may be shutting down and no longer collects results)
         sys.exit(stopped.exit_code)
-    except (Exception, *FAILURE_BASES) as err:
-        failure.report(err, int(os.environ.get("RANK", 0)))
+    except BaseException as err:  # (torch.distributed.checkpoint's errors are BaseExceptions)
+        if not isinstance(err, (SystemExit, KeyboardInterrupt)):
+            failure.report(err, int(os.environ.get("RANK", 0)))
         raise
 
 
@@ -75,9 +73,9 @@ def _run_here(cfg: TrainConfig, external: bool):
 
     try:
         return run_rank(cfg)
-    except (TrainingStopped, CheckpointError):  # (a checkpoint error explains itself)
-        raise
-    except (Exception, *FAILURE_BASES) as err:
+    except (TrainingStopped, CheckpointError, SystemExit, KeyboardInterrupt):
+        raise  # (a checkpoint error explains itself)
+    except BaseException as err:  # (torch.distributed.checkpoint's errors are BaseExceptions)
         rank = int(os.environ.get("RANK", 0))
         if external and os.environ.get("TORCHELASTIC_ERROR_FILE"):
             failure.report(err, rank)

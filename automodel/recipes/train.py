@@ -48,7 +48,6 @@ from automodel.models.builder import build_meta_model, build_model
 from automodel.optim import Optimizers, Schedulers
 from automodel.parallelize import parallelize
 from automodel.recipes.evaluate import Evaluator
-from automodel.recipes.pipeline_step import PipelineStep
 from automodel.recipes.router_loss import RouterLoss
 from automodel.recipes.step import train_step
 from automodel.recipes.step_log import StepLog
@@ -160,8 +159,11 @@ def _train(cfg: TrainConfig, info: DistInfo, output_dir: str) -> list[dict]:
     set_phase("data")
     rows, held_out = training_data(cfg.data_source, cfg.data, t.seq_len, cfg.model)
     plan = BatchPlan(rows, t.global_batch_size, t.seed)
-    pipeline = (PipelineStep(parallel, setup, t.global_batch_size // setup.dp_size)
-                if setup.pp_enabled else None)
+    pipeline = None
+    if setup.pp_enabled:  # (imported here: torch's pipelining pulls in the compiler stack)
+        from automodel.recipes.pipeline_step import PipelineStep
+
+        pipeline = PipelineStep(parallel, setup, t.global_batch_size // setup.dp_size)
     evaluator = (Evaluator(held_out, t, setup, pipeline, parallel.head_loss)
                  if held_out is not None and t.eval_every else None)
     micro = (f"{parallel.num_stages} pipeline stages, {pipeline.n_microbatches} micro-batches "
