@@ -72,8 +72,10 @@ def parallelize(model: nn.Module, setup: DistributedSetup,
         if setup.pre_shard_hook is not None:
             setup.pre_shard_hook(part)
         blocks = block_fqns(part)
-        fused = apply_fused_head(part, setup.loss, setup.loss_chunk_tokens,
-                                 stage == num_stages - 1, custom_loss)
+        # (Megatron-FSDP keeps the weights in its own buffers: the plain loss there)
+        loss = "plain" if setup.strategy == "megatron_fsdp" else setup.loss
+        fused = apply_fused_head(part, loss, setup.loss_chunk_tokens, stage == num_stages - 1,
+                                 custom_loss)
         head_loss = fused or head_loss
         if tp_plan is not None:
             opts = setup.options

@@ -62,6 +62,24 @@ def first_failed_task(batch_log: str) -> str:
     return ""
 
 
+_RANK_REPORT = re.compile(r"automodel: (rank \d+ failed during .*)")
+
+
+def rank_report(log_folder: Path, job_id: str) -> str:
+    """The first failure summary a rank of the job printed to its log (``automodel: rank N
+    failed during ...``), or ""."""
+    for log in sorted(log_folder.glob(f"{job_id}_*_log.err")):
+        try:
+            with open(log, errors="replace") as f:
+                for line in f:
+                    m = _RANK_REPORT.search(line)
+                    if m:
+                        return m.group(1)
+        except OSError:
+            continue
+    return ""
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m launchers.slurm", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -116,8 +134,10 @@ def main(argv: list[str] | None = None) -> int:
         records = job.results()[0]
     except Exception as err:  # submitit raises with the job's state and log paths
         first = first_failed_task(str(job.paths.stderr))
-        print(f"automodel: SLURM job {job.job_id} failed{first}; log: {job.paths.stderr}"
-              f"\n{err}", file=sys.stderr)
+        report = rank_report(Path(job.paths.stderr).parent, str(job.job_id))
+        print(f"automodel: SLURM job {job.job_id} failed{first}"
+              f"{'; ' + report if report else ''}; log: {job.paths.stderr}\n{err}",
+              file=sys.stderr)
         return 1
     if records:
         print(f"SLURM job {job.job_id} finished: final loss {records[-1]['loss']:.4f}")

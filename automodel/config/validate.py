@@ -291,6 +291,10 @@ def check_data_with_layout(source: str, data, trainer: s.TrainerConfig, mesh: s.
     if trainer.loss not in LOSSES:
         raise ConfigError(f"trainer.loss={trainer.loss!r}: allowed: {', '.join(LOSSES)} (auto: "
                           "the LM head fused with the loss where that is exact)")
+    if trainer.loss == "fused" and isinstance(par, s.MegatronFSDPConfig):
+        raise ConfigError("trainer.loss=fused with parallelism=megatron_fsdp: Megatron-FSDP "
+                          "keeps the weights in its own buffers; use trainer.loss=auto or plain "
+                          "(auto is plain there)")
     if trainer.loss == "fused" and pipeline is not None and pipeline.loss_fn is not None:
         raise ConfigError(f"trainer.loss=fused with pipeline.loss_fn={pipeline.loss_fn!r}: a "
                           "custom pipeline loss takes the logits; set trainer.loss=auto or "

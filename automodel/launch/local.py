@@ -77,8 +77,9 @@ def _run_here(cfg: TrainConfig, external: bool):
         raise  # (a checkpoint error explains itself)
     except BaseException as err:  # (torch.distributed.checkpoint's errors are BaseExceptions)
         rank = int(os.environ.get("RANK", 0))
-        if external and os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        if external:  # the rank's log says it (a SLURM task's log, torchrun's output)
             failure.report(err, rank)
+        if external and os.environ.get("TORCHELASTIC_ERROR_FILE"):
             failure.write_error_file(os.environ["TORCHELASTIC_ERROR_FILE"], err, rank)
         raise LaunchError(failure.summary(err, rank)) from err
 

@@ -145,3 +145,14 @@ def test_dead_rank_fails_the_job_promptly_and_is_named(tmp_path):
     assert sweep.returncode != 0
     assert re.search(r"task 1: Killed", sweep.stderr), sweep.stderr
     assert elapsed < 60, f"{elapsed:.0f} s"
+
+
+def test_a_failing_rank_names_its_root_cause(tmp_path):
+    # a chained exception in rank 1 at step 2: the launcher's line names the rank, the phase
+    # and the root cause (from the rank's own log line)
+    out = run(["--wait", "--tasks-per-node", "2", "--output-dir", str(tmp_path / "job")] + JOB,
+              ROOT, cmd=LAUNCHER, env_extra={"AUTOMODEL_FAULTS": "raise@2:1"})
+    assert out.returncode == 1
+    assert re.search(r"SLURM job \d+ failed.*; rank 1 failed during step 2: ValueError: injected "
+                     r"root cause at step 2 \(raised as RuntimeError: injected wrapper\)",
+                     out.stderr), out.stderr
