@@ -12,7 +12,9 @@ What a step is here: everything the loop runs from ``Faults.before_step`` of one
 the next (data, forward, backward, clipping, the loss, token count, non-finite policy, logging,
 the stop-signal agreement), except the optimizer's own ``step()``: torch's AdamW reads its step
 counters, which stay on the CPU unless ``capturable``/``fused``, so they are no device syncs.
-No checkpoints are written in these runs. Under a pipeline, torch's schedule initializes its
+Reads inside ``automodel/data`` are not counted: the data pipeline (reading rows, building
+micro-batches, ahead in a background thread) only ever holds host tensors, which are copied
+to the device after it. No checkpoints are written in these runs. Under a pipeline, torch's schedule initializes its
 stages on its first call (``_initialize_stage``: a vote on static or dynamic shapes, shape
 inference), reading a few values once; those reads are allowed in the first step only.
 
@@ -68,7 +70,12 @@ class HostReads:
                                         for f in frames[-4:][::-1])
                     init = any(f.name == "_initialize_stage" and "pipelining" in f.filename
                                for f in frames)
-                    (reads.one_time if init else reads.steps)[-1].append(f"{name} at {where}")
+                    # the data pipeline (automodel/data) handles only host tensors, before the
+                    # batch is copied to the device: its reads are no device syncs
+                    host_data = any("/automodel/data/" in f.filename for f in frames)
+                    if not host_data:
+                        (reads.one_time if init else reads.steps)[-1].append(
+                            f"{name} at {where}")
                 finally:
                     reads.armed = True
             return original(t, *args, **kwargs)

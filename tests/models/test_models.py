@@ -43,7 +43,7 @@ def test_parallelize_wraps_blocks_and_keeps_parameter_names(mode):
     model = build_model(ModelConfig(config=CONFIG), seed=0)
     names = list(model.state_dict())
     expected = model(input_ids=torch.arange(8)[None]).logits
-    [model] = parallelize(model, _setup(activation_checkpointing=mode)).parts
+    [model] = parallelize(model, _setup(activation_checkpointing=mode, loss="plain")).parts
     assert all(isinstance(model.model.layers[i], CheckpointWrapper) for i in range(4))
     assert list(model.state_dict()) == names
     got = model(input_ids=torch.arange(8)[None]).logits
