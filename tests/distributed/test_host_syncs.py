@@ -15,8 +15,9 @@ counters, which stay on the CPU unless ``capturable``/``fused``, so they are no 
 Reads inside ``automodel/data`` are not counted: the data pipeline (reading rows, building
 micro-batches, ahead in a background thread) only ever holds host tensors, which are copied
 to the device after it. No checkpoints are written in these runs. Under a pipeline, torch's
-schedule initializes its stages on its first call (``_initialize_stage``: a vote on static or dynamic shapes, shape
-inference), reading a few values once; those reads are allowed in the first step only.
+schedule initializes its stages on its first call (``_initialize_stage``: a vote on static
+or dynamic shapes, shape inference), reading a few values once; those reads are allowed in
+the first step only.
 
 Before (the step's token count, clipping and loss read one by one, the stop-signal agreement
 and the peak memory read by themselves, transformers' packed-sequence check per forward), this
