@@ -65,19 +65,28 @@ def first_failed_task(batch_log: str) -> str:
 _RANK_REPORT = re.compile(r"automodel: (rank \d+ failed during .*)")
 
 
-def rank_report(log_folder: Path, job_id: str) -> str:
-    """The first failure summary a rank of the job printed to its log (``automodel: rank N
-    failed during ...``), or ""."""
+def rank_report(log_folder: Path, job_id: str, first: str = "") -> str:
+    """The failure summary a rank of the job printed to its log (``automodel: rank N failed
+    during ...``): that of the rank srun saw end first (``first``, from
+    ``first_failed_task``), else the first found; or ""."""
+    found = {}
     for log in sorted(log_folder.glob(f"{job_id}_*_log.err")):
         try:
             with open(log, errors="replace") as f:
                 for line in f:
                     m = _RANK_REPORT.search(line)
                     if m:
-                        return m.group(1)
+                        found.setdefault(int(m.group(1).split()[1]), m.group(1))
+                        break
         except OSError:
             continue
-    return ""
+    from automodel.launch.failure import is_consequence
+
+    ended = re.match(r": rank (\d+) ended first", first)
+    if ended and int(ended.group(1)) in found:
+        return found[int(ended.group(1))]
+    causes = [r for r in sorted(found) if not is_consequence(found[r])]  # (not "peer gone")
+    return found[(causes or sorted(found))[0]] if found else ""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         records = job.results()[0]
     except Exception as err:  # submitit raises with the job's state and log paths
         first = first_failed_task(str(job.paths.stderr))
-        report = rank_report(Path(job.paths.stderr).parent, str(job.job_id))
+        report = rank_report(Path(job.paths.stderr).parent, str(job.job_id), first)
         print(f"automodel: SLURM job {job.job_id} failed{first}"
               f"{'; ' + report if report else ''}; log: {job.paths.stderr}\n{err}",
               file=sys.stderr)

@@ -93,6 +93,16 @@ def report(exc: BaseException, rank: int) -> None:
             _CHANNEL[0].put((rank, current_phase(), describe(exc)))
 
 
+# What a rank reports when a peer died first: its own failure is a consequence.
+_CONSEQUENCES = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+                 "remote worker crashing", "Timed out waiting")
+
+
+def is_consequence(description: str) -> bool:
+    """Whether a rank's failure only says that another rank went away first."""
+    return any(c in description for c in _CONSEQUENCES)
+
+
 def write_error_file(path: str, exc: BaseException, rank: int) -> None:
     """The error file a torch elastic agent (torchrun) reads for its failure summary: our
     summary first, then the traceback."""
@@ -112,7 +122,10 @@ def launcher_message(failures: dict, reports: dict) -> str:
     """The launcher's failure message: ``failures`` {rank: (exit code, error file text)} from
     torch elastic, ``reports`` {rank: (phase, description)} from the ranks."""
     lines = []
-    order = sorted(failures, key=lambda r: (r not in reports, r))  # who failed, first
+    # who failed first: ranks with a report of their own cause, then those whose failure
+    # follows from a peer's, then those with no report
+    order = sorted(failures, key=lambda r: (r not in reports,
+                                            r in reports and is_consequence(reports[r][1]), r))
     for rank in order:
         code, detail = failures[rank]
         head = f"rank {rank} failed (exit code {code})"
