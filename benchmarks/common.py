@@ -49,3 +49,19 @@ def run_ranks(overrides: list, entry, *args, name: str) -> list:
     check_model_layout(cfg)
     results = run_on_local_ranks(entry, cfg.distributed.nproc_per_node, cfg, *args, name=name)
     return [results[r] for r in sorted(results)]
+
+
+def add_run_arguments(p, batch: int, steps: int, warmup: int) -> None:
+    """The options the CPU rank benchmarks share: batch, steps, warm-up, threads per rank,
+    extra Hydra overrides, and a JSON output."""
+    p.add_argument("--batch", type=int, default=batch, help="global batch (sequences per step)")
+    p.add_argument("--steps", type=int, default=steps)
+    p.add_argument("--warmup", type=int, default=warmup, help="steps left out of the medians")
+    p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
+    p.add_argument("--override", action="append", default=[], help="extra Hydra override")
+    p.add_argument("--json", help="also write the results here")
+
+
+def check_run_arguments(p, args) -> None:
+    if args.steps <= args.warmup:
+        p.error("--steps must be larger than --warmup")

@@ -77,7 +77,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import finish, run_ranks  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    add_run_arguments,
+    check_run_arguments,
+    finish,
+    run_ranks,
+)
 from benchmarks.common import reset_peak as _reset_peak  # noqa: E402
 from benchmarks.common import status as _status  # noqa: E402
 
@@ -189,22 +194,16 @@ def main(argv=None) -> None:
     p.add_argument("--ulysses", action="store_true",
                    help="also cp 4 as 2 ring x 2 Ulysses")
     p.add_argument("--seq", type=int, default=8192)
-    p.add_argument("--batch", type=int, default=1)
+    add_run_arguments(p, batch=1, steps=5, warmup=2)
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--vocab", type=int, default=256)
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=2, help="steps left out of the medians")
-    p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
     p.add_argument("--sdpa", choices=["auto", "math"], default="auto",
                    help="auto: SDPA's own choice (flash on CPU); math: force the math kernel")
-    p.add_argument("--override", action="append", default=[], help="extra Hydra override")
-    p.add_argument("--json", help="also write the results here")
     args = p.parse_args(argv)
-    if args.steps <= args.warmup:
-        p.error("--steps must be larger than --warmup")
+    check_run_arguments(p, args)
     os.environ["OMP_NUM_THREADS"] = os.environ["AUTOMODEL_NUM_THREADS"] = str(args.threads)
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")
     layouts = [(1, 1)] + [(c, 1) for c in args.cp if c != 1]

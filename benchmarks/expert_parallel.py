@@ -77,7 +77,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import finish, run_ranks  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    add_run_arguments,
+    check_run_arguments,
+    finish,
+    run_ranks,
+)
 from benchmarks.common import reset_peak as _reset_peak  # noqa: E402
 from benchmarks.common import status as _status  # noqa: E402
 
@@ -275,15 +280,9 @@ def main(argv=None) -> None:
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--batch", type=int, default=8, help="global batch (sequences per step)")
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=2, help="steps left out of the medians")
-    p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
-    p.add_argument("--override", action="append", default=[], help="extra Hydra override")
-    p.add_argument("--json", help="also write the results here")
+    add_run_arguments(p, batch=8, steps=5, warmup=2)
     args = p.parse_args(argv)
-    if args.steps <= args.warmup:
-        p.error("--steps must be larger than --warmup")
+    check_run_arguments(p, args)
     if args.batch % args.dp:
         p.error("--batch must be a multiple of --dp")
     for ep in args.ep:

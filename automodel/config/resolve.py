@@ -26,6 +26,7 @@ from automodel.config.validate import (
     check_logger,
     check_optim,
     check_tensor_parallel,
+    check_trainer_options,
     resolve_mesh,
     resolve_trainer,
 )
@@ -177,6 +178,7 @@ def resolve(cfg, env: Optional[Mapping[str, str]] = None, output_dir: str = ".",
         check_pipeline_model(pipeline, mesh, model, trainer)
     data = build(data_cls, plain["data"], "data")
     check_data(DATA_SOURCES[data_cls], data, model)
+    check_trainer_options(trainer, pipeline, par)
     check_data_with_layout(DATA_SOURCES[data_cls], data, trainer, mesh, pipeline, par)
     optim = build(s.OptimConfig, plain["optim"], "optim")
     check_optim(optim)

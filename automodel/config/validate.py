@@ -276,10 +276,8 @@ def _check_ac_scope(scope) -> List[str]:
     return list(values)
 
 
-def check_data_with_layout(source: str, data, trainer: s.TrainerConfig, mesh: s.MeshConfig,
-                           pipeline, par) -> None:
-    """Data options that depend on the rest of the layout: packing with document boundaries,
-    and evaluation."""
+def check_trainer_options(trainer: s.TrainerConfig, pipeline, par) -> None:
+    """The trainer's loss, profiling, evaluation and read-ahead options."""
     _positive("trainer.eval_every", trainer.eval_every, 0)
     _positive("trainer.prefetch_steps", trainer.prefetch_steps, 0)
     _positive("trainer.loss_chunk_tokens", trainer.loss_chunk_tokens, 1)
@@ -301,6 +299,12 @@ def check_data_with_layout(source: str, data, trainer: s.TrainerConfig, mesh: s.
                           "plain")
     if trainer.eval_batches is not None:
         _positive("trainer.eval_batches", trainer.eval_batches, 1)
+
+
+def check_data_with_layout(source: str, data, trainer: s.TrainerConfig, mesh: s.MeshConfig,
+                           pipeline, par) -> None:
+    """Data options that depend on the rest of the layout: evaluation's held-out rows, and
+    packing with document boundaries."""
     held_out = data.eval_fraction > 0 or getattr(data, "eval_split", None) is not None
     if trainer.eval_every and not held_out:
         raise ConfigError(f"trainer.eval_every={trainer.eval_every} but no data is held out "

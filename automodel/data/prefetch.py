@@ -43,7 +43,7 @@ class Prefetcher:
     def get(self, step: int) -> list:
         if self.pool is None:
             return self.make(step)
-        for s in range(step, min(step + self.depth + 1, max(self.end, step + 1))):
+        for s in range(step, max(min(step + self.depth + 1, self.end), step + 1)):
             if s not in self.ahead:
                 self.ahead[s] = self.pool.submit(self.make, s)
         for s in [s for s in self.ahead if s < step]:

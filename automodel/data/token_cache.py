@@ -151,9 +151,9 @@ def build_entry(folder: Path, texts: Iterable[str], total: int | None, encode: E
         raise
 
 
-def ensure_entry(folder: Path, build: Callable[[Path], None]) -> TokenStream:
-    """The cache entry ``folder``, built by ``build(folder)`` if no process has yet; other
-    processes wait for it."""
+def ensure_entry(folder: Path, build: Callable[[Path], None]) -> Path:
+    """The cache entry ``folder``, built by ``build(folder)`` if no process has yet (it must
+    leave ``meta.json`` there last); other processes wait for it."""
     from filelock import FileLock, Timeout
 
     if not (folder / META).exists():
@@ -170,7 +170,7 @@ def ensure_entry(folder: Path, build: Callable[[Path], None]) -> TokenStream:
                 log.info("token cache written: %s", folder)
         finally:
             lock.release()
-    return open_stream(folder)
+    return folder
 
 
 def hf_stream(data, split: str) -> TokenStream:
@@ -188,7 +188,7 @@ def hf_stream(data, split: str) -> TokenStream:
         build_entry(target, texts, total, Encoder(data.tokenizer_path),
                     f"data.path={data.path!r} (split {split!r})")
 
-    return ensure_entry(folder, build)
+    return open_stream(ensure_entry(folder, build))
 
 
 def token_file_stream(data) -> TokenStream:
@@ -215,16 +215,9 @@ def token_file_stream(data) -> TokenStream:
                    num_tokens=int(len(tokens)), scan_of=str(path))
         os.replace(tmp, target)
 
-    from filelock import FileLock
-
-    if not (folder / META).exists():
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        with FileLock(str(folder) + ".lock"):
-            if not (folder / META).exists():
-                scan(folder)
     import json
 
-    meta = json.loads((folder / META).read_text())
+    meta = json.loads((ensure_entry(folder, scan) / META).read_text())
     return TokenStream(load_token_array(path), load_doc_starts(data.doc_starts_path,
                                                                meta["num_tokens"]),
                        int(meta["max_token"]))

@@ -1,7 +1,7 @@
 """What a failed rank reports: where it was (its phase) and the real exception, the root
 cause of a chain first. Importable without torch.
 
-Each rank keeps its current phase (``phase("checkpoint save")``). When it fails it builds a
+Each rank keeps its current phase (``set_phase("checkpoint save")``). When it fails it builds a
 one-line summary, prints it to its stderr, and, under the local launcher, sends it to the
 launcher by a queue (no file: a full disk must not silence the report). The launcher's
 failure message then names every failed rank's summary; a rank that sent none (killed by a
@@ -24,16 +24,6 @@ def set_phase(name: str) -> None:
 
 def current_phase() -> str:
     return _PHASE[0]
-
-
-@contextlib.contextmanager
-def phase(name: str):
-    previous = _PHASE[0]
-    _PHASE[0] = name
-    try:
-        yield
-    finally:
-        _PHASE[0] = previous
 
 
 def _causes(exc: BaseException):

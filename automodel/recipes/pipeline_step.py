@@ -25,9 +25,9 @@ from automodel.recipes.step import (
     count_global_tokens,
     full,
     grad_norm_and_clip,
+    known_packing,
     sequence_shard,
     to_device,
-    unpacked_sequences,
 )
 
 log = logging.getLogger(__name__)
@@ -108,7 +108,7 @@ class PipelineStep:
         self.loss.scale = scale.to(torch.float32)
         losses: list = []  # the scaled loss of each micro-batch, on the last stage
         chunks = range(0, inputs.shape[0], self.batch)
-        with unpacked_sequences():
+        with known_packing():
             self._run_schedule(inputs, labels, chunks, losses)
         not_in_norm = frozenset()
         if self.tied is not None:
@@ -142,7 +142,7 @@ class PipelineStep:
         train_scale, self.loss.scale = self.loss.scale, 1.0  # the plain sum
         losses: list = []
         try:
-            with unpacked_sequences():
+            with known_packing():
                 for chunk in range(0, inputs.shape[0], self.batch):
                     chunk_losses: list = []
                     self.schedule.eval(*((inputs[chunk:chunk + self.batch],)

@@ -66,7 +66,7 @@ def _packed_sequences(position_ids):
 
 
 @contextlib.contextmanager
-def unpacked_sequences(packed: bool = False):
+def known_packing(packed: bool = False):
     """While the model runs: transformers' check for packed sequences answers without
     reading the device.
 
@@ -208,7 +208,7 @@ def forward_loss(model, setup: DistributedSetup, batch, extra_args: dict | None 
     # images.
     args = {"position_ids": positions.expand_as(inputs), **extras, **(extra_args or {})}
     packed = extras.get("position_ids") is not None
-    with autocast_context(setup), unpacked_sequences(packed):
+    with autocast_context(setup), known_packing(packed):
         with record_function("automodel::forward"):
             out = model(input_ids=inputs, use_cache=False, **args)
         with record_function("automodel::loss"):

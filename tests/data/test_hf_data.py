@@ -1,7 +1,6 @@
 """``data=hf`` and ``data=tokens``: local datasets built in the test (``datasets`` objects saved
 to disk, parquet files, .npy token arrays), the token cache, evaluation and resume."""
 
-import json
 import os
 
 import numpy as np
@@ -171,6 +170,8 @@ def test_eval_loss_is_the_same_in_every_layout(saved, tmp_path):
                                    rtol=1e-5, err_msg=name)
         np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in ref],
                                    rtol=1e-5, err_msg=name)
+        np.testing.assert_allclose([r["grad_norm"] for r in got],
+                                   [r["grad_norm"] for r in ref], rtol=1e-4, err_msg=name)
 
 
 def test_resume_continues_the_uninterrupted_run(saved, tmp_path):
@@ -189,7 +190,7 @@ def test_resume_continues_the_uninterrupted_run(saved, tmp_path):
     assert [r["eval_loss"] for r in again if "eval_loss" in r] == \
         [r["eval_loss"] for r in full if r["step"] == 6]
     assert [os.stat(p).st_mtime_ns for p in entries] == built  # the cache was not rebuilt
-    assert full[-1]["epoch"] > 0 and json.dumps(full)
+    assert full[-1]["epoch"] > 0
 
 
 def test_reading_ahead_changes_nothing(tmp_path):

@@ -40,7 +40,7 @@ def test_a_packed_row_trains_as_its_documents_apart(family):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from automodel.loss import summed_cross_entropy
-    from automodel.recipes.step import unpacked_sequences
+    from automodel.recipes.step import known_packing
 
     torch.manual_seed(0)
     config = AutoConfig.for_model(**FAMILIES[family], vocab_size=64, hidden_size=32,
@@ -53,7 +53,7 @@ def test_a_packed_row_trains_as_its_documents_apart(family):
     width = sum(map(len, docs))
     rows = TokenRows(TokenStream.from_documents(docs), seq_len=width - 1, pack_boundaries=True)
     inputs, labels, extras = rows[torch.tensor([0])].split()
-    with unpacked_sequences(packed=True):
+    with known_packing(packed=True):
         packed = summed_cross_entropy(model(input_ids=inputs, **extras).logits, labels)
     packed.backward()
     grads = [p.grad.clone() for p in model.parameters()]
@@ -65,7 +65,7 @@ def test_a_packed_row_trains_as_its_documents_apart(family):
     for mine, theirs in zip(grads, [p.grad for p in model.parameters()]):
         torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
     # and without the boundaries the documents would see each other: a different loss
-    with unpacked_sequences():
+    with known_packing():
         assert not torch.allclose(summed_cross_entropy(model(input_ids=inputs).logits, labels),
                                   apart)
 
