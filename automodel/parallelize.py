@@ -6,7 +6,11 @@
         -> context parallel -> expert parallel -> activation checkpointing -> compile
         -> data parallel (DDP / FSDP2)
     materialize (the model is built on the meta device: this rank's shards are allocated and
-    filled only now; before DDP's wrapping, after FSDP2's)
+    filled only now; before DDP's wrapping, after FSDP2's; by megatron-fsdp itself, one module
+    at a time, under init_fsdp_with_meta_device)
+
+Under a pipeline with sequence parallelism, each stage sends and receives its TP rank's
+local sequence shard (``distributed/pipelining/sequence_shards.py``).
 
 Expert parallelism's experts are FSDP2-sharded on their own mesh (``ep_shard``), before
 their block; fully frozen blocks follow ``multimodal.frozen_sharding``
@@ -28,6 +32,7 @@ from automodel.distributed.ddp import apply_ddp
 from automodel.distributed.expert_parallel import apply_ep
 from automodel.distributed.fsdp2 import apply_fsdp2, build_policy
 from automodel.distributed.fused_head import apply_fused_head, head_fqn
+from automodel.distributed.megatron_fsdp import checkpointed_mlps, meta_init, prepare_meta_init
 from automodel.distributed.mesh import MeshAxis
 from automodel.distributed.setup import DistributedSetup
 from automodel.distributed.tensor_parallel import apply_tp, expand_plan
@@ -58,6 +63,9 @@ def parallelize(model: nn.Module, setup: DistributedSetup,
         tp_plan = select_tp_plan(model, setup.options.tp_plan)
         expand_plan(model, *tp_plan)  # every pattern must match the whole model
     if setup.pp_enabled:  # (torch's pipelining imports the compiler stack: only when used)
+        from automodel.distributed.pipelining.sequence_shards import (
+            apply_sequence_sharded_boundaries,
+        )
         from automodel.distributed.pipelining.split import ties_embeddings
         from automodel.distributed.pipelining.stages import split_model
     tied = setup.pp_enabled and ties_embeddings(model)
@@ -75,23 +83,31 @@ def parallelize(model: nn.Module, setup: DistributedSetup,
         # (Megatron-FSDP keeps the weights in its own buffers: the plain loss there)
         loss = "plain" if setup.strategy == "megatron_fsdp" else setup.loss
         fused = apply_fused_head(part, loss, setup.loss_chunk_tokens, stage == num_stages - 1,
-                                 custom_loss)
+                                 custom_loss, show_use=setup.strategy == "ddp")
         head_loss = fused or head_loss
         if tp_plan is not None:
             opts = setup.options
             apply_tp(part, setup.mesh[MeshAxis.TP], *tp_plan, blocks, opts.sequence_parallel,
                      opts.enable_async_tensor_parallel, pipeline_stage=setup.pp_enabled,
                      vocab_parallel_head=head_fqn(part) if fused else None)
+            if setup.pp_enabled and opts.sequence_parallel:  # stages pass local shards
+                apply_sequence_sharded_boundaries(part, setup.mesh[MeshAxis.TP], stage == 0,
+                                                  stage == num_stages - 1)
         if setup.cp is not None:
             apply_cp(part, setup.cp)
         experts = apply_ep(part, setup.mesh.moe["ep"]) if setup.ep_enabled else []
         ac_blocks = select_blocks(part, setup.activation_checkpointing_scope)
+        if setup.strategy == "megatron_fsdp":  # the reference checkpoints the MLP layers
+            ac_blocks = checkpointed_mlps(part, ac_blocks)
         apply_ac(part, ac_blocks, setup.activation_checkpointing, replace_module,
                  setup.activation_checkpointing_scope)
         if getattr(setup.options, "enable_compile", False):
             apply_compile(part, blocks)
         if materialize is not None and setup.strategy != "fsdp2":
-            materialize([part])
+            if meta_init(setup):  # megatron-fsdp allocates it, one module at a time
+                prepare_meta_init(part, materialize, setup.device)
+            else:
+                materialize([part])
         result.append(apply_data_parallel(part, blocks, setup, experts))
     if materialize is not None and setup.strategy == "fsdp2":
         materialize(result)  # every part at once: one pass over the weights

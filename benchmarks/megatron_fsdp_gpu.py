@@ -19,9 +19,26 @@ Runs (same model from config, same seed, same batches, bf16 compute):
    resumed steps must repeat run 2's;
 4. ``fsdp2`` resumed from run 3's checkpoint: a Megatron-FSDP checkpoint in an FSDP2 layout.
 
+5. ``megatron_fsdp`` with ``calculate_per_token_loss=true`` (the library sums gradients; the
+   step's loss scale follows): its losses and grad norms must repeat run 2's;
+6. ``megatron_fsdp`` with ``activation_checkpointing=true`` (each block's MLP): the same
+   losses as run 2, and less peak memory;
+7. ``megatron_fsdp`` with ``init_fsdp_with_meta_device=true``: the model reaches the wrap on
+   the meta device and the library fills it one module at a time; the same initial weights,
+   so the same losses as run 2;
+8. a small model with tied embeddings, with and without ``init_fsdp_with_meta_device``: the
+   same losses (the tie survives the per-module initialization).
+
+Tensor parallelism with megatron_fsdp is refused before launch (``mesh.tp_size`` > 1): the
+first thing checked, on any machine. One GPU cannot run TP (nor show the per-token sum over
+several ranks: at world size 1 both modes divide by 1); the CPU tests check the loss scale
+against the library's own reduction code.
+
 Printed: per-step losses and gradient norms of runs 1 and 2 with their largest relative
 difference (bf16: expect about 1e-2), tokens/s (median after the warmup) and peak GPU memory,
-and whether the resumed runs continue as they should. Exit status 1 if something fails.
+and whether runs 3-8 match as they should. Exit status 1 if something fails.
+``--dry-run`` (any machine, no GPU): build and validate every run's configuration and check
+the TP refusal, without training.
 """
 
 from __future__ import annotations
@@ -53,6 +70,52 @@ def overrides(args, strategy: str, *extra: str) -> list[str]:
             "optim.min_lr_ratio=1.0", *extra]
 
 
+RUNS = {  # name: (strategy, extra overrides), besides the checkpoint/resume runs
+    "fsdp2": ("fsdp2", []),
+    "megatron_fsdp": ("megatron_fsdp", []),
+    "per_token": ("megatron_fsdp", ["parallelism.calculate_per_token_loss=true"]),
+    "mlp_checkpointing": ("megatron_fsdp", ["parallelism.activation_checkpointing=true"]),
+    "meta_init": ("megatron_fsdp", ["parallelism.init_fsdp_with_meta_device=true"]),
+}
+TIED = ["model.config.tie_word_embeddings=true"]
+SAME = 1e-3  # runs 3 and 5-8 repeat run 2's arithmetic (up to kernel order)
+
+
+def small(args):
+    """The tied-embedding pair's model: small, so the pair costs little."""
+    return argparse.Namespace(**{**vars(args), "hidden": 256, "layers": 2, "heads": 4,
+                                 "vocab": 1024, "seq": 256})
+
+
+def check_tp_refused(args, root: Path) -> str:
+    """The TP refusal, before launch: the message (raises if it is not refused)."""
+    from automodel.api import load_config
+    from automodel.config.build import ConfigError
+
+    try:
+        load_config(overrides(args, "megatron_fsdp", "mesh.tp_size=2",
+                              "distributed.nproc_per_node=2", "distributed.backend=gloo"),
+                    str(root / "tp"))
+    except ConfigError as err:
+        if "mesh.tp_size=2" not in str(err):
+            raise
+        return str(err)
+    raise AssertionError("parallelism=megatron_fsdp with mesh.tp_size=2 was not refused")
+
+
+def dry_run(args, root: Path) -> dict:
+    """Every run's configuration, validated (no training): {name: resolved parallelism}."""
+    from automodel.api import load_config
+
+    out = {name: load_config(overrides(args, strategy, *extra), str(root / name)).parallelism
+           for name, (strategy, extra) in RUNS.items()}
+    for meta in (False, True):
+        flag = f"parallelism.init_fsdp_with_meta_device={str(meta).lower()}"
+        out[f"tied_meta_{meta}"] = load_config(
+            overrides(small(args), "megatron_fsdp", *TIED, flag), str(root / "tied")).parallelism
+    return out
+
+
 def summary(records, warmup: int) -> dict:
     return {"tokens_per_second": statistics.median(r["tokens_per_second"]
                                                    for r in records[warmup:]),
@@ -63,6 +126,13 @@ def summary(records, warmup: int) -> dict:
 
 def rel(a, b) -> float:
     return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
+
+
+def same(out: dict, name: str, got: dict, want: dict) -> bool:
+    """Record ``name``'s largest relative difference (losses and grad norms) from ``want``."""
+    out[f"{name}_rel_diff"] = max(rel(got["losses"], want["losses"]),
+                                  rel(got["grad_norms"], want["grad_norms"]))
+    return out[f"{name}_rel_diff"] < SAME
 
 
 def main(argv=None) -> int:
@@ -79,11 +149,17 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--json")
+    p.add_argument("--dry-run", action="store_true",
+                   help="validate every run's configuration and the TP refusal; no training")
     args = p.parse_args(argv)
     root = Path(tempfile.mkdtemp(prefix="mfsdp-"))
     half = args.steps // 2
     ckpt = [f"checkpoint.every_steps={half}"]
-    out: dict = {}
+    out: dict = {"tp_refused": check_tp_refused(args, root)}
+    print(f"TP refused before launch: {out['tp_refused']}")
+    if args.dry_run:
+        print(f"configurations valid: {', '.join(dry_run(args, root))}")
+        return 0
     fsdp2 = run(overrides(args, "fsdp2"), output_dir=str(root / "fsdp2"))
     mfsdp = run(overrides(args, "megatron_fsdp", *ckpt), output_dir=str(root / "mfsdp"))
     out["fsdp2"], out["megatron_fsdp"] = summary(fsdp2, args.warmup), summary(mfsdp, args.warmup)
@@ -100,15 +176,29 @@ def main(argv=None) -> int:
     later = [r["loss"] for r in mfsdp[half:]]
     out["resume_rel_diff"] = rel([r["loss"] for r in resumed], later)
     out["into_fsdp2_rel_diff"] = rel([r["loss"] for r in into_fsdp2], later)
-    for name in ("fsdp2", "megatron_fsdp"):
-        s = out[name]
-        print(f"{name:14s} {s['tokens_per_second']:9.0f} tok/s  peak {s['peak_gb']:6.2f} GB  "
-              f"losses {['%.4f' % x for x in s['losses']]}")
-    ok = (out["loss_rel_diff"] < 5e-2 and out["resume_rel_diff"] < 1e-3
+    ok = (out["loss_rel_diff"] < 5e-2 and out["resume_rel_diff"] < SAME
           and out["into_fsdp2_rel_diff"] < 5e-2)
+    for name in ("per_token", "mlp_checkpointing", "meta_init"):
+        strategy, extra = RUNS[name]
+        out[name] = summary(run(overrides(args, strategy, *extra), output_dir=str(root / name)),
+                            args.warmup)
+        ok &= same(out, name, out[name], out["megatron_fsdp"])
+    ok &= out["mlp_checkpointing"]["peak_gb"] < out["megatron_fsdp"]["peak_gb"]
+    tied = [summary(run(overrides(small(args), "megatron_fsdp", *TIED,
+                                  f"parallelism.init_fsdp_with_meta_device={meta}"),
+                        output_dir=str(root / f"tied_{meta}")), 0)
+            for meta in ("false", "true")]
+    ok &= same(out, "tied_meta_init", tied[1], tied[0])
+    for name in ("fsdp2", "megatron_fsdp", "per_token", "mlp_checkpointing", "meta_init"):
+        s = out[name]
+        print(f"{name:17s} {s['tokens_per_second']:9.0f} tok/s  peak {s['peak_gb']:6.2f} GB  "
+              f"losses {['%.4f' % x for x in s['losses']]}")
     print(f"loss rel diff {out['loss_rel_diff']:.2e}, grad norm rel diff "
           f"{out['grad_norm_rel_diff']:.2e}; resumed {out['resume_rel_diff']:.2e}, "
-          f"into fsdp2 {out['into_fsdp2_rel_diff']:.2e}: {'ok' if ok else 'MISMATCH'}")
+          f"into fsdp2 {out['into_fsdp2_rel_diff']:.2e}; "
+          + ", ".join(f"{k} {out[k + '_rel_diff']:.2e}" for k in
+                      ("per_token", "mlp_checkpointing", "meta_init", "tied_meta_init"))
+          + f": {'ok' if ok else 'MISMATCH'}")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     return 0 if ok else 1

@@ -7,7 +7,8 @@ names too, so a checkpoint written under one layout loads under another; plus
 ``trainer.json`` (step, LR schedule), ``model_config.json`` (for export) and
 ``rng_rank<R>.pt``. The data position is the step (batches are a function of the step).
 
-A save goes to ``.tmp-step_N`` and rank 0 renames it once every rank has written its shards
+A save goes to ``.tmp-step_N`` and the model's rank 0 renames it once every rank of the model
+(its process group: the job may hold other models on other ranks) has written its shards
 and ``trainer.json`` is in place, so a checkpoint is complete or absent. Leftovers of an
 interrupted save are never loaded and are removed at the next save.
 """
@@ -41,7 +42,7 @@ OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 log = logging.getLogger(__name__)
 
 
-def _barrier():
+def _barrier(group):
     if dist.is_initialized():
         dist.barrier()
 
@@ -91,20 +92,28 @@ def _state_bytes(state: dict) -> int:
     return total
 
 
-def _gather(obj) -> list:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        out: list = [None] * dist.get_world_size()
-        dist.all_gather_object(out, obj)
+def _gather(obj, group) -> list:
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        out: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(out, obj, group=group)
         return out
     return [obj]
 
 
+def _ranks(group) -> int:
+    return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
 class Checkpointer:
+    """``rank``: this rank within ``group``, the model's ranks (default: the world), over
+    which every collective of a save or a load runs; its rank 0 writes the shared files."""
+
     def __init__(self, root: str, keep_last: int | None, rank: int, faults=None,
-                 size_estimate: int = 0):
+                 size_estimate: int = 0, group=None):
         self.root = root
         self.keep_last = keep_last
         self.rank = rank
+        self.group = group
         self.faults = faults
         self.size_estimate = size_estimate  # bytes of one checkpoint (for messages)
 
@@ -159,22 +168,22 @@ class Checkpointer:
                 if name.startswith((".tmp-", ".old-")):
                     shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
             os.makedirs(tmp)
-        _barrier()
+        _barrier(self.group)
         state = _merged(_part_states(parts, optimizers))
-        self.size_estimate = max(self.size_estimate, _state_bytes(state) * (
-            dist.get_world_size() if dist.is_initialized() else 1))  # (for a failure message)
-        with _quiet_single_process():
-            dcp.save(state, checkpoint_id=tmp, no_dist=not dist.is_initialized())
+        self.size_estimate = max(self.size_estimate, _state_bytes(state) * _ranks(self.group))
+        with _quiet_single_process():  # (the size: for a failure message)
+            dcp.save(state, checkpoint_id=tmp, no_dist=not dist.is_initialized(),
+                     process_group=self.group)
         torch.save(_rng_state(), os.path.join(tmp, f"rng_rank{self.rank}.pt"))
         if self.faults is not None:
             self.faults.in_save(step)
-        _barrier()
+        _barrier(self.group)
         if self.rank == 0:
             if model_config is not None:
                 with open(os.path.join(tmp, "model_config.json"), "w") as f:
                     json.dump(model_config, f, indent=1, sort_keys=True)
             meta = {"step": step, "scheduler": scheduler.state_dict(),
-                    "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+                    "world_size": _ranks(self.group),
                     **(extra or {})}
             with open(os.path.join(tmp, "trainer.json"), "w") as f:
                 json.dump(meta, f, indent=1)
@@ -188,7 +197,7 @@ class Checkpointer:
             os.replace(tmp, final)  # the checkpoint appears whole
             shutil.rmtree(old, ignore_errors=True)
             self._prune()
-        _barrier()
+        _barrier(self.group)
         return final
 
     def _prune(self) -> None:
@@ -203,17 +212,19 @@ class Checkpointer:
         states = _part_states(parts, optimizers)
         state = _merged(states)
         flat, _ = flatten_state_dict(state)
-        model_keys = set().union(*_gather({k for k in flat if k.startswith("model.")}))
+        model_keys = set().union(*_gather({k for k in flat if k.startswith("model.")},
+                                          self.group))
         try:
             check_keys(path, meta, flat, model_keys)
             problem = None
         except CheckpointError as err:
             problem = str(err)
-        problems = [p for p in _gather(problem) if p]
+        problems = [p for p in _gather(problem, self.group) if p]
         if problems:  # every rank raises the same error, none is left waiting
             raise CheckpointError(problems[0])
         with _quiet_single_process():
-            dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
+            dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized(),
+                     process_group=self.group)
         for (m, o), part, opt in zip(states, parts, optimizers.optimizers):
             set_state_dict(part, opt, model_state_dict={k: state["model"][k] for k in m},
                            optim_state_dict={k: state["optim"][k] for k in o}, options=OPTIONS)

@@ -23,8 +23,11 @@ POLICY_FIELDS = {
 }
 _ALLOWED = {"parallelism.mp_policy": ("MixedPrecisionPolicy",),
             "parallelism.offload_policy": ("CPUOffloadPolicy", "OffloadPolicy")}
-# options.md: a null mp_policy means bf16 compute with fp32 gradient reduction.
-DEFAULT_MP_POLICY = {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
+# options.md: a null mp_policy means bf16 compute with fp32 gradient reduction, and the
+# dtypes of module inputs and outputs kept (torch's own default casts floating inputs to the
+# parameter dtype at every unit; the reference's default does not).
+DEFAULT_MP_POLICY = {"param_dtype": "bfloat16", "reduce_dtype": "float32",
+                     "output_dtype": None, "cast_forward_inputs": False}
 
 
 @dataclass

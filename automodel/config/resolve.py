@@ -30,11 +30,7 @@ from automodel.config.validate import (
     resolve_mesh,
     resolve_trainer,
 )
-from automodel.config.validate_pipeline import (
-    check_pipeline,
-    check_pipeline_model,
-    check_pipeline_with_tp,
-)
+from automodel.config.validate_pipeline import check_pipeline, check_pipeline_model
 from automodel.launch.env import LaunchEnv, detect_launch_env
 
 log = logging.getLogger(__name__)
@@ -174,7 +170,6 @@ def resolve(cfg, env: Optional[Mapping[str, str]] = None, output_dir: str = ".",
     if strategy in ("fsdp2", "megatron_fsdp"):
         check_tensor_parallel(par, mesh, model, trainer)
     if pipeline is not None:
-        check_pipeline_with_tp(par, mesh)
         check_pipeline_model(pipeline, mesh, model, trainer)
     data = build(data_cls, plain["data"], "data")
     check_data(DATA_SOURCES[data_cls], data, model)

@@ -156,6 +156,11 @@ def resolve_mesh(strategy: str, m: s.MeshConfig, launch: LaunchEnv, d: s.Distrib
             if value > 1:
                 raise ConfigError(f"mesh.{name}={value}: parallelism=megatron_fsdp does not "
                                   "support pipeline or expert parallelism; use parallelism=fsdp2")
+        if m.tp_size > 1:
+            raise ConfigError(f"mesh.tp_size={m.tp_size}: parallelism=megatron_fsdp is not "
+                              "available with tensor parallelism in this version (untested: "
+                              "it needs two GPUs or more); set mesh.tp_size=1, or use "
+                              "parallelism=fsdp2 for TP (with FSDP2 or HSDP)")
     if m.cp_ulysses_size is not None and m.cp_size % m.cp_ulysses_size:
         raise ConfigError(f"mesh.cp_ulysses_size={m.cp_ulysses_size} must divide "
                           f"mesh.cp_size={m.cp_size} (cp = ring x ulysses)")
@@ -221,6 +226,11 @@ def check_ac_and_strategy(strategy: str, par, mesh: s.MeshConfig):
         if z not in MEGATRON_ZERO_STRATEGIES and z not in MEGATRON_ZERO_STRATEGIES.values():
             raise ConfigError(f"parallelism.zero_dp_strategy={z!r}: allowed: 0, 1, 2, 3 or "
                               f"{', '.join(MEGATRON_ZERO_STRATEGIES.values())}")
+        if par.init_fsdp_with_meta_device and MEGATRON_ZERO_STRATEGIES.get(z, z) == "no_shard":
+            raise ConfigError(f"parallelism.init_fsdp_with_meta_device=true with "
+                              f"parallelism.zero_dp_strategy={z!r}: megatron-fsdp initializes "
+                              "from the meta device only into sharded weights; set "
+                              "init_fsdp_with_meta_device=false, or zero_dp_strategy 1-3")
         if par.check_for_nan_in_grad:
             log.warning("parallelism.check_for_nan_in_grad has no effect on megatron-fsdp >= 0.5; "
                         "use parallelism.report_nan_in_param_grad=true for a NaN check")
@@ -428,6 +438,14 @@ def check_tensor_parallel(par, mesh: s.MeshConfig, model: s.ModelConfig,
             log.warning("parallelism.enable_async_tensor_parallel=true has no effect with "
                         "mesh.tp_size=1")
         return
+    if getattr(par, "enable_async_tensor_parallel", False) and not getattr(
+            par, "enable_compile", False):
+        # inductor's micro-pipelined TP rewrites compiled graphs only
+        log.warning("parallelism.enable_async_tensor_parallel=true without "
+                    "parallelism.enable_compile=true overlaps nothing: inductor overlaps TP "
+                    "collectives with compute only in compiled code; set "
+                    "parallelism.enable_compile=true (compiles each decoder layer) for the "
+                    "overlap, or drop enable_async_tensor_parallel")
     if getattr(par, "enable_compile", False) and not getattr(par, "sequence_parallel", True):
         # Measured on torch 2.13: compiled decoder layers with plain (non-sequence-parallel)
         # TP give wrong gradients; with sequence parallelism they match eager exactly.

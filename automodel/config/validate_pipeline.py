@@ -136,13 +136,3 @@ def _check_csv(p: s.PipelineConfig, mesh: s.MeshConfig, n_microbatches: int) -> 
                           f"{layout.num_microbatches} micro-batches but the pipeline batch makes "
                           f"{n_microbatches} (pipeline.pp_batch_size / pp_microbatch_size)")
 
-
-def check_pipeline_with_tp(par, mesh: s.MeshConfig) -> None:
-    """Sequence parallelism keeps the residual stream a sequence-sharded DTensor, which the
-    stage boundaries cannot send yet (also switched on by compile or async TP with TP)."""
-    if mesh.tp_size > 1 and getattr(par, "sequence_parallel", False):
-        raise ConfigError("a pipeline with mesh.tp_size>1 and parallelism.sequence_parallel=true "
-                          "(also implied by parallelism.enable_compile or "
-                          "enable_async_tensor_parallel with TP) is not supported yet: stages "
-                          "cannot pass sequence-sharded activations; set "
-                          "parallelism.sequence_parallel=false (and enable_compile=false)")

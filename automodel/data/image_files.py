@@ -62,6 +62,7 @@ def read_image_text(data, seq_len: int, meta_model, processor_dir: str) -> Image
     from transformers import AutoProcessor
 
     from automodel.models import multimodal as mm
+    from automodel.models.image_inputs import tokens_per_image
 
     try:
         processor = AutoProcessor.from_pretrained(processor_dir)
@@ -76,7 +77,7 @@ def read_image_text(data, seq_len: int, meta_model, processor_dir: str) -> Image
         return {k: v for k, v in out.items() if k in inputs}
 
     blank = Image.new("RGB", (64, 64))
-    count = mm.tokens_per_image(meta_model, load(blank))
+    count = tokens_per_image(meta_model, load(blank))
     fmt = ImageFormat(image_token_id=token, load=load,
                       placeholder=(torch.tensor([0] + [token] * count), blank),
                       token_masks=tuple(k for k in mm.IMAGE_TOKEN_MASKS if k in inputs),

@@ -3,8 +3,8 @@
 A sample is a row of ``seq_len + 1`` token ids (the first ``length`` are real, the rest
 padding) and the images whose features fill its runs of image tokens, in order. Images are
 kept as references (a seed, or a file path) and turned into the model's own image inputs
-(``pixel_values`` and, for some families, ``image_grid_thw``) only when a micro-batch is
-built, so the host holds the pixels of one micro-batch at a time.
+(``pixel_values`` and whatever else the family takes: ``models/image_inputs.py``) only when
+a micro-batch is built, so the host holds the pixels of one micro-batch at a time.
 
 Labels never ask to predict an image token or padding (they are ``IGNORE_INDEX``). Samples
 without images are plain text; batches mixing both, and whole micro-batches without any
@@ -89,15 +89,17 @@ class ImageTextData:
 def synthetic_format(config, meta_model, seed: int) -> tuple[ImageFormat, int]:
     """The format of generated images for ``config``'s model (image ``i`` of the data: random
     pixels from ``seed + i``), and how many image tokens one image takes."""
+    from automodel.models import image_inputs as ii
     from automodel.models import multimodal as mm
 
-    blank = mm.synthetic_image(config, None)
-    count = mm.tokens_per_image(meta_model, blank)
+    spec = ii.image_spec(meta_model)
+    blank = ii.synthetic_image(spec, None)
+    count = ii.tokens_per_image(meta_model, blank)
     token = mm.image_token_id(config)
     inputs = mm.forward_inputs(meta_model)
     fmt = ImageFormat(
         image_token_id=token,
-        load=lambda ref: mm.synthetic_image(config, None if ref is None else seed + ref),
+        load=lambda ref: ii.synthetic_image(spec, None if ref is None else seed + ref),
         placeholder=(torch.tensor([0] + [token] * count), None),
         token_masks=tuple(k for k in mm.IMAGE_TOKEN_MASKS if k in inputs),
         model_positions=mm.derives_positions(meta_model))

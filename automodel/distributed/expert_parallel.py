@@ -84,16 +84,19 @@ class ExpertPlacement:
         return self.num_experts // self.ep_size
 
 
-def check_layout(model: nn.Module, ep: int, pipeline: bool, sequence_parallel: bool) -> None:
+def check_layout(model: nn.Module, ep: int, pipeline, sequence_parallel: bool) -> None:
     """Raise ``ValueError`` for what a mixture-of-experts model cannot do in this layout (and
-    for ``ep > 1`` on a model whose experts cannot be spread)."""
+    for ``ep > 1`` on a model whose experts cannot be spread). ``pipeline``: the pipeline
+    section, or None."""
     moe = bool(expert_modules(model))
     kind = f"{type(model).__name__} (a mixture-of-experts model)"
-    if moe and pipeline and getattr(model.config, "output_router_logits", False):
+    if (moe and pipeline is not None and not pipeline.patch_causal_lm_model
+            and getattr(model.config, "output_router_logits", False)):
         raise ValueError(
-            f"{kind} with a pipeline: the router's load-balancing loss needs every layer's "
-            "routing of a sequence, which one pipeline stage does not see; set "
-            "model.config.output_router_logits=false to train without it, or pipeline=none")
+            f"{kind} with pipeline.patch_causal_lm_model=false: the router's load-balancing "
+            "loss is carried from stage to stage by the patched stage forward; set "
+            "pipeline.patch_causal_lm_model=true, or model.config.output_router_logits=false "
+            "to train without the router loss")
     if moe and sequence_parallel:
         raise ValueError(f"{kind}: parallelism.sequence_parallel=true would give its "
                          "experts and router different tokens on each TP rank; set "

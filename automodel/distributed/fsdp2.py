@@ -16,7 +16,7 @@ from torch.distributed.fsdp import (
 
 from automodel.config.policies import POLICY_FIELDS, PolicySpec
 from automodel.config.schema import FSDP2Config
-from automodel.distributed.frozen import plan_units
+from automodel.distributed.frozen import compute_in_param_dtype, plan_units
 from automodel.distributed.patches import keep_output_recording
 from automodel.models.parts import group_of, vision_tower
 
@@ -67,6 +67,7 @@ def apply_fsdp2(model: nn.Module, block_fqns: list[str], mesh: DeviceMesh, opts:
     block_fqns, ignored = plan_units(model, block_fqns, opts.multimodal.frozen_sharding)
     if ignored:
         common["ignored_params"] = ignored
+        compute_in_param_dtype(model, ignored, mp_policy.param_dtype if mp_policy else None)
     blocks = []
     for i, fqn in enumerate(block_fqns):
         block = model.get_submodule(fqn)

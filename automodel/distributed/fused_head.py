@@ -10,13 +10,16 @@ is refused, naming what.
 The head module stays in place under its own name (checkpoints, exports and tied
 embeddings are unchanged); only its ``forward`` passes its input through. Under tensor
 parallelism ``apply_tp`` splits its weight over the vocabulary without gathering its output
-(``vocab_parallel_head``).
+(``vocab_parallel_head``). Under DDP the head's forward also shows DDP that the head's
+parameters were used (``_UsesHead``): the loss applies them after the wrapped forward.
 """
 
 from __future__ import annotations
 
 import logging
+import types
 
+import torch
 from torch import nn
 
 from automodel.loss import HeadLoss
@@ -49,16 +52,40 @@ def _pass_through(hidden_states):
     return hidden_states
 
 
+class _UsesHead(torch.autograd.Function):
+    """The identity on the hidden states, whose graph node also takes the head's parameters
+    (their gradients come from the loss, not from here): DDP with ``find_unused_parameters``
+    finds the parameters a forward used by walking the graph from the wrapped module's outputs,
+    and would otherwise take the head, used only by the loss outside that forward, for unused,
+    mark it ready at once, and fail when its gradient arrives."""
+
+    @staticmethod
+    def forward(ctx, hidden_states, *params):
+        ctx.num_params = len(params)
+        return hidden_states.view_as(hidden_states)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad, *([None] * ctx.num_params))
+
+
+def _pass_through_using_head(head: nn.Module, hidden_states):
+    # (the head's parameters at the call: materializing the model replaces them)
+    return _UsesHead.apply(hidden_states, *(p for p in head.parameters() if p.requires_grad))
+
+
 def head_fqn(model: nn.Module) -> str | None:
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     return next((name for name, m in model.named_modules() if m is head), None)
 
 
 def apply_fused_head(part: nn.Module, mode: str, chunk: int, has_head: bool = True,
-                     custom_loss: bool = False) -> HeadLoss | None:
+                     custom_loss: bool = False, show_use: bool = False) -> HeadLoss | None:
     """``trainer.loss`` on one model part: detach its head and return the loss that applies
     it, or None for the plain loss. ``has_head``: the part holds the LM head (a pipeline's
-    last stage, or the whole model); ``custom_loss``: a ``pipeline.loss_fn`` wants logits."""
+    last stage, or the whole model); ``custom_loss``: a ``pipeline.loss_fn`` wants logits;
+    ``show_use``: the part's outputs show that the head's parameters were used (DDP, whose
+    ``find_unused_parameters`` looks for them there: ``_UsesHead``)."""
     if mode == "plain" or not has_head or custom_loss:
         return None
     problem = fused_head_problem(part)
@@ -69,6 +96,8 @@ def apply_fused_head(part: nn.Module, mode: str, chunk: int, has_head: bool = Tr
         log.info("trainer.loss=auto: the plain loss, since %s", problem)
         return None
     head = part.get_output_embeddings()
-    head.forward = _pass_through  # the part's "logits" are now its hidden states
+    # the part's "logits" are now its hidden states
+    head.forward = (types.MethodType(_pass_through_using_head, head) if show_use
+                    else _pass_through)
     log.info("trainer.loss=%s: the LM head runs with the loss, %d tokens at a time", mode, chunk)
     return HeadLoss(head, chunk)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import gc
 import os
@@ -25,6 +26,14 @@ class DistInfo:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    def within(self, group) -> "DistInfo":
+        """This rank's facts within ``group`` (a model's ranks): its rank there and their
+        number, so that the model's first rank is the one that writes files."""
+        if group is None:
+            return self
+        return dataclasses.replace(self, rank=dist.get_rank(group),
+                                   world_size=dist.get_world_size(group))
 
 
 def init_distributed(backend: str | None, timeout_minutes: int, need_group: bool,
@@ -56,17 +65,18 @@ def init_distributed(backend: str | None, timeout_minutes: int, need_group: bool
     return DistInfo(backend, device, rank, world, local_rank, timeout, startup)
 
 
-def set_collective_timeout(timeout: datetime.timedelta) -> None:
-    """Give every process group (the default one, the mesh's, the pipeline's tie groups) this
-    timeout. Collective: all ranks first meet in a barrier under the old timeout, so a fast
-    rank never waits for a slow one under the new, shorter one."""
+def set_collective_timeout(timeout: datetime.timedelta, group=None) -> None:
+    """Give every process group of this rank (the default one, the mesh's, the pipeline's tie
+    groups) this timeout. Collective over ``group`` (default: the world; the runner passes the
+    model's group): its ranks first meet in a barrier under the old timeout, so a fast rank
+    never waits for a slow one under the new, shorter one."""
     if not dist.is_initialized():
         return
     from torch.distributed import distributed_c10d as c10d
 
-    dist.barrier()
-    for group in list(c10d._world.pg_map):
-        c10d._set_pg_timeout(timeout, group)
+    dist.barrier(group=group)
+    for pg in list(c10d._world.pg_map):
+        c10d._set_pg_timeout(timeout, pg)
 
 
 def destroy_distributed() -> None:

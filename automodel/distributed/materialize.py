@@ -142,16 +142,17 @@ def load_slices(parts: list[nn.Module], device: torch.device, files: dict[str, s
 
 
 def materialize(parts: list[nn.Module], device: torch.device,
-                source: Callable[[], dict[str, torch.Tensor]]) -> None:
+                source: Callable[[], dict[str, torch.Tensor]], group=None) -> None:
     """Allocate ``parts`` (built on meta, already sharded) on ``device`` and fill them from the
-    full state ``source()`` returns on rank 0 (called there only). Collective: every rank."""
+    full state ``source()`` returns on the first rank of ``group`` (the model's ranks; default:
+    the world), called there only. Collective: every rank of ``group``."""
     for part in parts:
         part.to_empty(device=device)
-    rank0 = dist.get_rank() == 0
+    rank0 = dist.get_rank(group) == 0
     full = source() if rank0 else None
     header = [{k: (tuple(v.shape), v.dtype) for k, v in full.items()} if rank0 else None,
               torch.get_rng_state() if rank0 else None]
-    dist.broadcast_object_list(header, src=0)
+    dist.broadcast_object_list(header, group=group, group_src=0)
     shapes, rng = header
     targets = _targets(parts)
     missing = sorted(set(targets) - set(shapes))
@@ -161,7 +162,7 @@ def materialize(parts: list[nn.Module], device: torch.device,
     for key, (shape, dtype) in shapes.items():
         tensor = (full.pop(key).to(device) if rank0
                   else torch.empty(shape, dtype=dtype, device=device))
-        dist.broadcast(tensor, src=0)
+        dist.broadcast(tensor, group=group, group_src=0)
         for target in targets.get(key, ()):
             _fill(target, tensor)
         del tensor

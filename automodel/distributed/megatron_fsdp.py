@@ -27,19 +27,35 @@ the mesh                       device_mesh with dp_shard_dim "dp_shard_cp" (cp f
                                hybrid_fsdp_group), tp_dim "tp" with tensor parallelism
 =============================  ===========================================================
 
-Applied by automodel itself, before the wrap, as for FSDP2: ``activation_checkpointing``,
-``tp_plan`` and ``sequence_parallel`` (with ``mesh.tp_size`` > 1), ``autocast_dtype`` (the
-step's autocast) and ``patch_is_packed_sequence``. ``check_for_nan_in_grad`` is accepted for
-old configs and only warns (megatron-fsdp >= 0.5 has no such switch).
+Applied by automodel itself, before the wrap: ``activation_checkpointing`` (the MLP of each
+block, as the reference does: ``checkpointed_mlps``), ``autocast_dtype`` (the step's autocast)
+and ``patch_is_packed_sequence``. ``check_for_nan_in_grad`` is accepted for old configs and
+only warns (megatron-fsdp >= 0.5 has no such switch). Tensor parallelism is refused before
+launch (``mesh.tp_size`` > 1; ``tp_plan`` and ``sequence_parallel`` are accepted but unused):
+no machine here can check megatron-fsdp with DTensor TP, which needs two GPUs or more.
+
+The loss scale of a step (``grad_average_size``) follows how the library reduces gradients:
+an average over the dp x cp ranks, or, with ``calculate_per_token_loss``, a sum.
+
+The wrap pre-allocates the optimizer's state with one ``step()`` on zero gradients;
+``fresh_after_warmup`` runs it at lr 0 without weight decay and resets the step count, so
+the first real update is the one FSDP2 (or one process) makes.
+
+``init_fsdp_with_meta_device``: the model stays on the meta device up to the wrap; the library
+then allocates one module at a time, calling its ``reset_parameters``, which
+``prepare_meta_init`` points at the run's initial weights (``ModuleSource``).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import logging
 
 _SAME_NAME = ("overlap_grad_reduce", "overlap_param_gather", "average_in_collective",
               "calculate_per_token_loss", "disable_bucketing", "fsdp_double_buffer", "nccl_ub",
               "keep_fp8_transpose_cache", "report_nan_in_param_grad")
+log = logging.getLogger(__name__)
 FIX = "use parallelism=fsdp2 (the same sharding in PyTorch itself, on any device)"
 
 
@@ -121,6 +137,205 @@ def apply_megatron_fsdp(parts: list, optimizers, setup) -> list:
     kwargs = fully_shard_kwargs(setup.options, part, setup.mesh.device_mesh,
                                 hsdp=setup.mesh.dp_replicate_size > 1,
                                 tp=setup.size(MeshAxis.TP) > 1, device=setup.device)
-    model, optimizer = megatron_fsdp.fully_shard(part, optimizers.optimizers[0], **kwargs)
+    model, optimizer = fresh_after_warmup(
+        optimizers.optimizers[0], lambda opt: megatron_fsdp.fully_shard(part, opt, **kwargs))
     optimizers.parts[0], optimizers.optimizers[0] = model, optimizer
     return [model]
+
+
+_WARMUP_NEUTRAL = ("lr", "weight_decay")  # what a step on zero gradients can still apply
+
+
+def fresh_after_warmup(optimizer, run_warmup):
+    """``run_warmup(optimizer)`` (returned), leaving ``optimizer`` as fresh as one that never
+    stepped, apart from its allocated state.
+
+    megatron-fsdp 0.6.1's ``fully_shard`` replaces the optimizer's param groups with one group
+    of its own parameters (built from ``optimizer.defaults``), then pre-allocates the state
+    for checkpoint loading by one ``optimizer.step()`` on zero gradients. Unneutralized, that
+    step applies AdamW's weight decay once and leaves ``state["step"]`` at 1 (the first real
+    update's bias correction then differs from FSDP2's). So during ``run_warmup`` every
+    group's, and the defaults', ``lr`` and ``weight_decay`` are 0 (no weight moves, no decay
+    reaches the moments); afterwards the groups that existed keep their own values (the lr a
+    schedule has set included), groups the warm-up created take the defaults', and every
+    ``state["step"]`` is 0 again, of its own type and device. Exact for optimizers whose other
+    state a zero gradient leaves at its initial value (Adam, AdamW, RMSprop, Adagrad, SGD
+    without dampening; not NAdam, whose mu_product moves; automodel builds AdamW)."""
+    import torch
+
+    defaults = {k: optimizer.defaults[k] for k in _WARMUP_NEUTRAL if k in optimizer.defaults}
+    saved = [(g, {k: g[k] for k in _WARMUP_NEUTRAL if k in g}) for g in optimizer.param_groups]
+    for target, values in [(optimizer.defaults, defaults), *saved]:
+        target.update({k: v * 0 for k, v in values.items()})  # (a tensor lr stays a tensor)
+    try:
+        result = run_warmup(optimizer)
+    finally:
+        optimizer.defaults.update(defaults)
+        for group, values in saved:
+            group.update(values)
+        old = {id(group) for group, _ in saved}  # (saved holds them: ids not reused)
+        for group in optimizer.param_groups:
+            if id(group) not in old:
+                group.update({k: v for k, v in defaults.items() if k in group})
+    for state in optimizer.state.values():
+        step = state.get("step")
+        if torch.is_tensor(step):
+            state["step"] = torch.zeros_like(step)
+        elif step is not None:
+            state["step"] = type(step)(0)
+    return result
+
+
+def grad_average_size(opts, dp_cp: int, dp_replicate: int) -> int:
+    """The number of ranks megatron-fsdp 0.6.1 divides the summed gradients by: a step scales
+    each micro-batch loss by it over the global token count, so that the reduced gradient is
+    the gradient of the global token mean in every mode.
+
+    ``calculate_per_token_loss=false``: the library scales by 1 / (dp x cp) before summing, or
+    averages in the collective (``average_in_collective``): the average over dp x cp ranks.
+    ``true``: it sets no scaling factor and sums over the dp-shard x cp group; under HSDP its
+    outer (dp_replicate) reduction then averages with ``average_in_collective`` and sums
+    without (``MegatronFSDP._init_fsdp_param_and_grad_buffer``,
+    ``gradient_reduce_preprocessing`` and the outer reduction in ``param_and_grad_buffer``)."""
+    if not opts.calculate_per_token_loss:
+        return dp_cp
+    return dp_replicate if opts.average_in_collective else 1
+
+
+def attention_classes(model) -> set[type]:
+    """The attention module classes the model declares (transformers' ``_can_record_outputs``
+    ``attentions`` entry, per sub-model: the language model and a vision tower each)."""
+    found = set()
+    for module in model.modules():
+        target = (getattr(type(module), "_can_record_outputs", None) or {}).get("attentions")
+        target = getattr(target, "target_class", target)  # (an OutputRecorder, or the class)
+        if isinstance(target, type):
+            found.add(target)
+    return found
+
+
+def checkpointed_mlps(model, blocks: list[str]) -> list[str]:
+    """What ``activation_checkpointing=true`` wraps under megatron_fsdp, as the reference
+    does: the MLP of each block, not the whole block. A block's MLP is found from its
+    structure: the child modules holding weight matrices (or expert tensors) other than the
+    attention module the model declares; norms, dropouts and embeddings are not MLPs. A block
+    without a declared attention child (an embedding unit) has no MLP; when the model declares
+    no attention class at all, its whole blocks are wrapped, with a warning."""
+    from torch import nn
+
+    attention = attention_classes(model)
+    if not attention:
+        log.warning("activation_checkpointing=true: %s declares no attention class "
+                    "(_can_record_outputs); its MLP layers cannot be told apart, so whole "
+                    "blocks are checkpointed", type(model).__name__)
+        return list(blocks)
+    found = []
+    for fqn in blocks:
+        children = list(model.get_submodule(fqn).named_children())
+        if not any(isinstance(child, tuple(attention)) for _, child in children):
+            continue
+        found += [f"{fqn}.{name}" for name, child in children
+                  if not isinstance(child, (*attention, nn.Embedding))
+                  and any(p.dim() >= 2 for p in child.parameters())]
+    return found
+
+
+def meta_init(setup) -> bool:
+    """Whether megatron-fsdp itself allocates the model (from the meta device) at the wrap."""
+    return setup.strategy == "megatron_fsdp" and setup.options.init_fsdp_with_meta_device
+
+
+def _clean(name: str) -> str:
+    return name.replace("_checkpoint_wrapped_module.", "")
+
+
+class ModuleSource:
+    """The run's initial weights, one module at a time, for megatron-fsdp's meta-device
+    initialization: read from a pretrained safetensors checkpoint by every rank (``files``),
+    or else broadcast tensor by tensor from the first rank of ``group``, which builds the
+    full state once (``full_state()``, on the host, as ``materialize`` does for FSDP2).
+    Collective in the second case: every rank fills the same modules in the same order (the
+    library visits its parameter groups in one order everywhere)."""
+
+    def __init__(self, files, full_state, seed: int, group=None):
+        self.files, self.full_state, self.seed, self.group = files, full_state, seed, group
+        self.header = None  # {name: (shape, dtype)} from the first rank, on first use
+        self.full = None
+        self.handles: dict = {}
+
+    def _start(self) -> None:
+        import torch
+        import torch.distributed as dist
+
+        rank0 = dist.get_rank(self.group) == 0
+        self.full = self.full_state() if rank0 else None
+        box = [{k: (tuple(v.shape), v.dtype) for k, v in self.full.items()} if rank0 else None,
+               torch.get_rng_state() if rank0 else None]
+        dist.broadcast_object_list(box, group=self.group, group_src=0)
+        self.header = box[0]
+        torch.set_rng_state(box[1])  # as if every rank had built the model itself
+
+    def tensor(self, key: str, device):
+        """The full initial value of parameter ``key`` on ``device``."""
+        import torch
+        import torch.distributed as dist
+
+        if self.files is not None:
+            if not self.handles:
+                torch.manual_seed(self.seed)  # (as build_model leaves it; no fill draws)
+            if key not in self.files:
+                raise ValueError(f"the checkpoint has no tensor {key!r}")
+            if self.files[key] not in self.handles:
+                from safetensors import safe_open
+
+                self.handles[self.files[key]] = safe_open(self.files[key], framework="pt")
+            return self.handles[self.files[key]].get_tensor(key).to(device)
+        if self.header is None:
+            self._start()
+        if key not in self.header:
+            raise ValueError(f"initial weights lack {key}: the model built on the meta device "
+                             "and the one built on the first rank differ")
+        shape, dtype = self.header[key]
+        rank0 = self.full is not None
+        t = self.full.pop(key).to(device) if rank0 else torch.empty(shape, dtype=dtype,
+                                                                     device=device)
+        dist.broadcast(t, group=self.group, group_src=0)
+        return t
+
+
+def _reset_from_source(source: ModuleSource, prefix: str, module, holders: dict) -> None:
+    """``module.reset_parameters`` under meta-device initialization: megatron-fsdp has just
+    allocated the module's own parameters (``to_empty(recurse=False)``); fill them with the
+    run's initial values, and point every other module holding one of them (tied weights) at
+    the new parameter."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in module.named_parameters(recurse=False):
+            p.copy_(source.tensor(_clean(f"{prefix}{name}"), p.device).to(p.dtype))
+            for other, other_name in holders.get((id(module), name), ()):
+                setattr(other, other_name, p)
+
+
+def prepare_meta_init(part, fill, device) -> None:
+    """Under ``init_fsdp_with_meta_device``: leave the parameters on the meta device (nothing
+    allocated before the wrap) and give every module holding parameters a
+    ``reset_parameters`` that fills them from ``fill.source`` (a ``ModuleSource``) once the
+    library has allocated them; buffers (computed on the host by the meta build) move to
+    ``device`` now, the library only allocates parameters."""
+    source = fill.source
+    owners: dict = {}  # id(meta parameter) -> every (module, name) holding it
+    for module in part.modules():
+        for name, p in module.named_parameters(recurse=False):
+            owners.setdefault(id(p), []).append((module, name))
+        for name, b in list(module._buffers.items()):
+            if b is not None:
+                module._buffers[name] = b.to(device)
+    for mname, module in part.named_modules():
+        direct = list(module.named_parameters(recurse=False))
+        if not direct:
+            continue
+        holders = {(id(module), n): [(m, mn) for m, mn in owners[id(p)] if m is not module]
+                   for n, p in direct}
+        module.reset_parameters = functools.partial(
+            _reset_from_source, source, f"{mname}." if mname else "", module, holders)

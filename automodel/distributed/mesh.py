@@ -1,12 +1,23 @@
-"""The device mesh: named axes, flattened views, and sizes read back from the live mesh."""
+"""The device mesh: named axes, flattened views, and sizes read back from the live mesh.
+
+The mesh covers exactly the ranks that hold the model: every rank of the job by default, or
+the ``ranks`` given to ``build_mesh`` when the job holds other models on other ranks (a frozen
+reference model, a teacher). ``MeshContext.group`` spans those ranks: the recipe's own
+collectives (the per-step read, barriers, checkpoints) use it, never the world group.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 from enum import Enum
+from typing import Optional, Sequence
 
+import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
+
+from automodel.distributed.patches import building_mesh_outside_this_rank
 
 
 class MeshAxis(str, Enum):
@@ -34,14 +45,15 @@ FLATTENED = {
 }
 
 
-def _options(backend: str, timeout: datetime.timedelta):
-    """Backend options carrying the timeout, so every sub-group gets it (not torch's 30 min)."""
+def _options(backend: str, timeout: datetime.timedelta) -> tuple:
+    """(backend, options carrying the timeout), so every sub-group gets it (not torch's
+    30 min)."""
     if backend == "gloo":
         opts = dist.ProcessGroupGloo._Options()
     elif backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
     else:
-        return backend
+        return (backend, None)
     opts._timeout = timeout
     return (backend, opts)
 
@@ -50,10 +62,16 @@ class MeshContext:
     """Owns the DeviceMesh and its flattened views. Sizes come from the mesh itself."""
 
     def __init__(self, device_mesh: DeviceMesh, flattened: dict,
-                 moe: DeviceMesh | None = None):
+                 moe: DeviceMesh | None = None, group=None):
         self.device_mesh = device_mesh
         self._flattened = flattened
         self.moe = moe  # (pp, ep_shard, ep_unit, ep): the MoE mesh under expert parallelism
+        self._group = group  # None: the mesh spans the world
+
+    @property
+    def group(self):
+        """The model-local process group: every rank of the mesh, and no other."""
+        return dist.group.WORLD if self._group is None else self._group
 
     def __getitem__(self, axis: MeshAxis) -> DeviceMesh:
         axis = MeshAxis(axis)
@@ -90,28 +108,51 @@ class MeshContext:
 
 def build_mesh(device_type: str, backend: str, timeout_minutes: int, *, pp: int,
                dp_replicate: int, dp_shard: int, cp: int, tp: int,
-               cp_ulysses: int = 1, ep: int = 1) -> MeshContext:
+               cp_ulysses: int = 1, ep: int = 1,
+               ranks: Optional[Sequence[int]] = None) -> MeshContext:
     """``cp`` ranks per sequence: ``cp / cp_ulysses`` ring ranks x ``cp_ulysses`` Ulysses
-    ranks (a Ulysses group is contiguous: its all-to-all stays within a node first)."""
+    ranks (a Ulysses group is contiguous: its all-to-all stays within a node first).
+
+    ``ranks``: the global ranks holding the model, in mesh order (default: all). Collective
+    over the whole job, as torch creates process groups: a job with several models has every
+    rank build every model's mesh, in the same order; a rank outside ``ranks`` just does not
+    use it."""
     cp_ring = cp // cp_ulysses
     timeout = datetime.timedelta(minutes=timeout_minutes)
     sizes = {MeshAxis.PP: pp, MeshAxis.DP_REPLICATE: dp_replicate, MeshAxis.DP_SHARD: dp_shard,
              MeshAxis.CP_RING: cp_ring, MeshAxis.CP_ULYSSES: cp_ulysses, MeshAxis.TP: tp}
-    assert dist.get_world_size() == pp * dp_replicate * dp_shard * cp_ring * cp_ulysses * tp, (
-        "resolve.py guarantees the mesh matches the world size")
-    opts = _options(backend, timeout)
-    mesh = init_device_mesh(device_type, tuple(sizes[a] for a in BASE_AXES),
-                            mesh_dim_names=tuple(a.value for a in BASE_AXES),
-                            backend_override={a.value: opts for a in BASE_AXES})
+    world = dist.get_world_size()
+    ranks = list(range(world) if ranks is None else ranks)
+    needed = pp * dp_replicate * dp_shard * cp_ring * cp_ulysses * tp
+    if len(ranks) != needed:
+        raise ValueError(f"the mesh (pp x dp_replicate x dp_shard x cp x tp) needs {needed} "
+                         f"ranks; got {len(ranks)}: {ranks}")
+    outside = dist.get_rank() not in ranks  # (it takes part in creating the groups)
+    with building_mesh_outside_this_rank() if outside else contextlib.nullcontext():
+        mesh, flattened, moe = _device_meshes(device_type, _options(backend, timeout), sizes,
+                                              torch.tensor(ranks, dtype=torch.int), ep)
+    group = None  # the whole world: the default group serves
+    if sorted(ranks) != list(range(world)):
+        group = dist.new_group(ranks, timeout=timeout, backend=backend,
+                               pg_options=_options(backend, timeout)[1], group_desc="model")
+    return MeshContext(mesh, flattened, moe, group)
+
+
+def _device_meshes(device_type: str, opts: tuple, sizes: dict, ranks: torch.Tensor, ep: int):
+    """(the mesh, its flattened views, the MoE mesh or None) over ``ranks``."""
+    mesh = DeviceMesh(device_type, ranks.reshape([sizes[a] for a in BASE_AXES]),
+                      mesh_dim_names=tuple(a.value for a in BASE_AXES),
+                      backend_override=(opts,) * len(BASE_AXES))
     flattened = {name: mesh[tuple(a.value for a in parts)]._flatten(name.value,
                                                                     backend_override=opts)
                  for name, parts in FLATTENED.items()}
     moe = None
     if ep > 1:  # the dp x cp x tp ranks of each stage regrouped as ep_shard x ep
-        per_stage = dp_replicate * dp_shard * cp * tp
+        pp = sizes[MeshAxis.PP]
+        per_stage = ranks.numel() // pp
         # ep_unit (size 1): the shard dim of an (ep_shard, ep_unit) mesh that replicates the
         # experts over ep_shard instead of sharding them (parallelism.moe.shard_experts=false)
         names = ("pp", "ep_shard", "ep_unit", "ep")
-        moe = init_device_mesh(device_type, (pp, per_stage // ep, 1, ep), mesh_dim_names=names,
-                               backend_override={n: opts for n in names})
-    return MeshContext(mesh, flattened, moe)
+        moe = DeviceMesh(device_type, ranks.reshape(pp, per_stage // ep, 1, ep),
+                         mesh_dim_names=names, backend_override=(opts,) * len(names))
+    return mesh, flattened, moe

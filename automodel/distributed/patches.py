@@ -1,6 +1,8 @@
-"""Patches of transformers internals that some strategies ask for."""
+"""Patches of transformers and torch internals that some strategies ask for."""
 
 from __future__ import annotations
+
+import contextlib
 
 
 def _never_packed(position_ids, batch_size):
@@ -35,3 +37,27 @@ def keep_output_recording(module, original_class: type) -> None:
     key = str(original_class)
     if type(module) is not original_class and key in registry:
         dict.__setitem__(registry, str(type(module)), registry[key])
+
+
+@contextlib.contextmanager
+def building_mesh_outside_this_rank():
+    """While this rank builds a DeviceMesh it is not part of (another model's mesh, in a job
+    that holds several models): torch creates each process group of a mesh with every rank of
+    the job, so this rank must build the mesh too. Torch keeps such a rank outside (no
+    coordinate, no groups), but slicing or flattening a mesh of several rows asks for the row
+    that holds this rank, and raises. Any row serves its checks there (sizes only): the first."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    original = DeviceMesh.__dict__["_get_mesh_tensor_from_full_mesh"]
+
+    def any_row(full_mesh, current_rank=None):
+        try:
+            return original.__func__(full_mesh, current_rank)
+        except RuntimeError:  # (this rank holds no row)
+            return full_mesh[0]
+
+    DeviceMesh._get_mesh_tensor_from_full_mesh = staticmethod(any_row)
+    try:
+        yield
+    finally:
+        DeviceMesh._get_mesh_tensor_from_full_mesh = original

@@ -54,6 +54,13 @@ class DistributedSetup:
         return self.size(MeshAxis.PP) > 1
 
     @property
+    def process_group(self):
+        """The model-local group (the mesh's ranks, and no other): every collective the recipe
+        issues itself (the per-step read, barriers, checkpoints) runs on it, so other ranks of
+        the job may hold another model. None without a process group."""
+        return None if self.mesh is None else self.mesh.group
+
+    @property
     def loss_group(self):
         """Ranks holding different tokens of the global batch (data-parallel x context-
         parallel): losses and token counts are summed over them (None = no group)."""
@@ -62,7 +69,14 @@ class DistributedSetup:
     @property
     def grad_average_size(self) -> int:
         """The number of ranks DDP/FSDP2 average gradients over (dp x cp); a micro-batch
-        loss is scaled by it so the averaged gradient is the global token mean's."""
+        loss is scaled by it so the averaged gradient is the global token mean's.
+        Megatron-FSDP sums instead under ``calculate_per_token_loss`` (``grad_average_size``
+        there)."""
+        if self.strategy == "megatron_fsdp":
+            from automodel.distributed.megatron_fsdp import grad_average_size
+
+            return grad_average_size(self.options, self.size(MeshAxis.DP_CP),
+                                     self.size(MeshAxis.DP_REPLICATE))
         return self.size(MeshAxis.DP_CP)
 
     @property

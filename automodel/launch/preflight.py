@@ -14,7 +14,8 @@ from automodel.config.resolve import TrainConfig
 
 def check_model_layout(cfg: TrainConfig) -> None:
     """Raise ``ConfigError`` for a TP plan, context-parallel split or pipeline split the model
-    cannot take."""
+    cannot take, or image inputs that cannot be derived for an image-text model."""
+    check_image_inputs(cfg)
     m = cfg.mesh
     if m.tp_size == 1 and m.pp_size == 1 and m.cp_size == 1 and m.ep_size == 1:
         return
@@ -51,7 +52,7 @@ def check_model_layout(cfg: TrainConfig) -> None:
             tp_heads = m.tp_size if splits_heads(concrete) else 1
         if m.cp_size > 1:
             context_parallel.check_model(model, m.cp_size, m.cp_ulysses_size or 1, tp_heads)
-        expert_parallel.check_layout(model, m.ep_size, pipeline=cfg.pipeline is not None,
+        expert_parallel.check_layout(model, m.ep_size, pipeline=cfg.pipeline,
                                      sequence_parallel=m.tp_size > 1 and getattr(
                                          cfg.parallelism, "sequence_parallel", False))
         if cfg.pipeline is not None:
@@ -62,6 +63,33 @@ def check_model_layout(cfg: TrainConfig) -> None:
                 contents_from_fqns(model, anatomy, cfg.pipeline.module_fqns_per_model_part)
     except ValueError as err:  # (ConfigError is one)
         raise ConfigError(str(err)) from None
+
+
+def check_image_inputs(cfg: TrainConfig) -> None:
+    """An image-text model: derive, on the meta device, the image inputs it takes and the image
+    tokens one image fills (``models/image_inputs.py``), as the ranks will; a family for which
+    that fails is refused here, naming what is missing."""
+    from automodel.models.builder import build_meta_model, hf_config
+    from automodel.models.multimodal import image_token_id, is_image_text
+
+    try:
+        if not is_image_text(hf_config(cfg.model)):
+            return
+        model = build_meta_model(cfg.model)
+    except Exception:  # the layout check below reports a model that cannot be built
+        return
+    from automodel.data.image_text import synthetic_format
+    from automodel.models.image_inputs import image_spec
+
+    try:
+        image_token_id(model.config)
+        if cfg.data_source == "files":
+            image_spec(model)  # (the processor makes the images; the family must take them)
+        else:
+            synthetic_format(model.config, model, 0)
+    except ValueError as err:
+        raise ConfigError(f"model ({_which(cfg)}): {err}; this image-text family cannot train "
+                          "in automodel (docs/image_text.md lists the families)") from None
 
 
 def _which(cfg: TrainConfig) -> str:

@@ -2,7 +2,8 @@
 saves a checkpoint and ends.
 
 The handler only records the signal (``StopSignal.received``); each step's one read of device
-values (``recipes/step_values.read_step``) carries it as a maximum over all ranks, so a signal
+values (``recipes/step_values.read_step``) carries it as a maximum over the model's ranks (its
+process group: other ranks of the job may hold another model), so a signal
 that reached some ranks only still stops all of them after the same step (the step it arrived
 in, or the next when it came after that step's read). Under SLURM the handler that
 submitit installed for its preemption signal is kept and called once the checkpoint is

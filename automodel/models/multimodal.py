@@ -4,9 +4,8 @@ Gemma 3, ...): what automodel needs to know about them, read from the model itse
 - the family: a config with a ``vision_config`` is an image-text model;
 - the text side: ``config.get_text_config()`` (vocabulary, sizes);
 - images: the model's ``image_token_id`` marks where image features go in the token
-  sequence, and how many tokens one image takes is what the model's own
-  ``get_image_features`` returns for an image of its configured size (computed on the meta
-  device: no weights, no memory);
+  sequence; which image inputs the model takes, their shapes, and how many tokens one image
+  fills are derived from its signatures and config (``models/image_inputs.py``);
 - layer groups for freezing and scoped checkpointing: ``vision`` (the tower), ``multimodal``
   (the projector), ``language`` (the rest), from module names (``models/parts.py``).
 """
@@ -37,49 +36,6 @@ def auto_class(config):
 def text_config(config):
     """The language model's config (the config itself for a text-only model)."""
     return config.get_text_config() if hasattr(config, "get_text_config") else config
-
-
-def patch_sequence_images(config) -> bool:
-    """Whether the model takes images as flattened patch sequences plus their grid sizes
-    (``pixel_values`` [patches, C*T*P*P] and ``image_grid_thw``: the Qwen2-VL families) rather
-    than fixed-size pixel arrays [1, C, H, W] (LLaVA, Gemma 3, ...)."""
-    vc = config.vision_config
-    return all(hasattr(vc, k) for k in ("spatial_merge_size", "temporal_patch_size"))
-
-
-def synthetic_image(config, seed: int | None) -> dict[str, torch.Tensor]:
-    """One image as the model's own inputs take it, of random pixels from ``seed`` (``None``: a
-    blank image). Images of a batch are these inputs concatenated along dimension 0."""
-    vc = config.vision_config
-    gen = torch.Generator().manual_seed(seed) if seed is not None else None
-
-    def pixels(*shape):
-        return torch.randn(*shape, generator=gen) if gen is not None else torch.zeros(*shape)
-
-    if patch_sequence_images(config):
-        side = 2 * vc.spatial_merge_size  # a grid of 2x2 merged patches: 4 image tokens
-        channels = getattr(vc, "in_channels", None) or getattr(vc, "num_channels", 3)
-        return {"pixel_values": pixels(side * side,
-                                       channels * vc.temporal_patch_size * vc.patch_size ** 2),
-                "image_grid_thw": torch.tensor([[1, side, side]])}
-    size = vc.image_size
-    height, width = (size, size) if isinstance(size, int) else tuple(size)
-    return {"pixel_values": pixels(1, getattr(vc, "num_channels", 3), height, width)}
-
-
-@torch.no_grad()
-def tokens_per_image(meta_model: nn.Module, image: dict[str, torch.Tensor]) -> int:
-    """How many image-token positions one image (its model inputs) fills: for patch sequences
-    the merged grid (patches / merge_size**2), otherwise the length of the features the model's
-    own ``get_image_features`` gives for it, run on the meta device (no weights, no memory)."""
-    config = meta_model.config
-    if patch_sequence_images(config):
-        return int(image["image_grid_thw"].prod()) // config.vision_config.spatial_merge_size ** 2
-    out = meta_model.model.get_image_features(
-        **{k: v.to("meta") if k == "pixel_values" else v for k, v in image.items()})
-    features = getattr(out, "pooler_output", out)
-    first = features[0] if isinstance(features, (list, tuple)) else features.flatten(0, -2)
-    return int(first.shape[0])
 
 
 def forward_inputs(model: nn.Module) -> set[str]:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from torch import nn
 
-_VISION_HINTS = ("vision", "visual", "image")
+_VISION_HINTS = ("vision", "visual", "image", "video")
 _AUDIO_HINTS = ("audio", "speech")
-_PROJECTOR_HINTS = ("projector", "multi_modal", "multimodal", "merger")
+_PROJECTOR_HINTS = ("projector", "multi_modal", "multimodal", "merger", "connector", "aligner",
+                    "vision_projection", "embeddings_table")
 
 
 def block_class_names(model: nn.Module) -> set[str]:

@@ -11,15 +11,11 @@ import torch.distributed as dist
 
 from automodel.data.batches import IGNORE_INDEX
 from automodel.distributed.mesh import MeshAxis
-from automodel.distributed.pipelining.buffer_pool import (
-    install_recv_buffer_pool,
-    recv_buffer_bytes,
-    ring_size,
-)
-from automodel.distributed.pipelining.layout import canonical_schedule
+from automodel.distributed.pipelining.buffer_pool import pool_schedule, recv_buffer_bytes
 from automodel.distributed.pipelining.stages import PipelineLoss, build_schedule, load_loss_fn
 from automodel.distributed.pipelining.tied import TiedEmbeddingSync
 from automodel.distributed.setup import DistributedSetup
+from automodel.recipes.router_loss import RouterLoss, carry_routing_sums
 from automodel.recipes.step import (
     StepStats,
     count_global_tokens,
@@ -34,7 +30,8 @@ log = logging.getLogger(__name__)
 
 
 class PipelineStep:
-    def __init__(self, parallel, setup: DistributedSetup, per_rank_batch: int):
+    def __init__(self, parallel, setup: DistributedSetup, per_rank_batch: int,
+                 router_loss: RouterLoss | None = None):
         p = setup.pipeline
         self.setup = setup
         self.parts = parallel.parts
@@ -47,10 +44,17 @@ class PipelineStep:
         self.tied = (TiedEmbeddingSync(self.parts, parallel.stage_ids, parallel.num_stages,
                                        setup.mesh, setup.dist.timeout)
                      if parallel.tied_embeddings else None)
-        self.loss = PipelineLoss(parallel.head_loss or load_loss_fn(p.loss_fn))
-        # static stage shapes: this rank's share of the sequence under context parallelism
-        shapes = ((p.pp_seq_len // setup.size(MeshAxis.CP), self._activation_dtype())
-                  if p.pp_seq_len else None)
+        self.loss = PipelineLoss(parallel.head_loss or load_loss_fn(p.loss_fn), router_loss,
+                                 setup.cp.cp_group if setup.cp is not None else None)
+        self.aux_sums: list = []
+        if router_loss is not None:
+            carry_routing_sums(self.parts, router_loss)
+        # static stage shapes: this rank's share of the sequence under context parallelism;
+        # under sequence parallelism stages pass each TP rank's share of that
+        seq_shards = (setup.size(MeshAxis.TP)
+                      if getattr(setup.options, "sequence_parallel", False) else 1)
+        shapes = ((p.pp_seq_len // setup.size(MeshAxis.CP), self._activation_dtype(),
+                   seq_shards) if p.pp_seq_len else None)
         if setup.autocast_dtype is not None:
             for part in self.parts:
                 _forward_under_autocast(part, setup.device.type, setup.autocast_dtype)
@@ -67,14 +71,11 @@ class PipelineStep:
 
     def _pool_receive_buffers(self, num_stages: int) -> None:
         p = self.setup.pipeline
-        if p.pp_schedule_csv is not None or canonical_schedule(p.pp_schedule) != "1f1b":
-            log.warning("pipeline.pp_recv_buffer_pool applies to the 1f1b schedule only; "
-                        "ignored for %s", p.pp_schedule_csv or p.pp_schedule)
-            return
-        for stage in _stages_of(self.schedule):
-            install_recv_buffer_pool(stage, ring_size(num_stages, stage.stage_index,
-                                                      self.n_microbatches,
-                                                      p.pp_recv_buffer_pool_slack))
+        if not pool_schedule(self.schedule, _stages_of(self.schedule), num_stages,
+                             self.n_microbatches, p.pp_recv_buffer_pool_slack):
+            log.warning("pipeline.pp_recv_buffer_pool applies to the 1f1b and interleaved_1f1b "
+                        "(or dfs) schedules only; ignored for %s",
+                        p.pp_schedule_csv or p.pp_schedule)
 
     def local_recv_buffer_bytes(self) -> int:
         """Receive-buffer bytes of this rank's stages (the step sums them over pp ranks)."""
@@ -106,7 +107,12 @@ class PipelineStep:
         scale = full(setup.grad_average_size, setup.device) / global_tokens * (
             self.n_microbatches if self.scale_in_schedule else 1)
         self.loss.scale = scale.to(torch.float32)
+        sequences = setup.dp_size * inputs.shape[0]  # the global batch
+        if self.loss.router is not None:  # coef * the mean aux over the global batch's sequences
+            self.loss.router_scale = self.loss.router.coef * setup.grad_average_size \
+                / sequences * (self.n_microbatches if self.scale_in_schedule else 1)
         losses: list = []  # the scaled loss of each micro-batch, on the last stage
+        self.aux_sums = []  # (and its router loss's aux sum)
         chunks = range(0, inputs.shape[0], self.batch)
         with known_packing():
             self._run_schedule(inputs, labels, chunks, losses)
@@ -117,19 +123,23 @@ class PipelineStep:
         params = [p for part in self.parts for p in part.parameters()]
         grad_norm = grad_norm_and_clip(params, max_grad_norm, across_group=self.pp_group,
                                        not_in_norm=not_in_norm)
-        # [loss sum, receive-buffer bytes]: summed over pp (only the last stage has the
-        # loss), then the loss over dp x cp
-        sums = torch.zeros(2, dtype=torch.float64, device=setup.device)
+        # [loss sum, aux sum, receive-buffer bytes]: summed over pp (only the last stage has
+        # the losses), then the losses over dp x cp
+        sums = torch.zeros(3, dtype=torch.float64, device=setup.device)
         if losses:
             sums[:1] += torch.stack([x.detach() for x in losses]).sum().to(torch.float64) \
                 / scale
-        sums[1].fill_(float(self.local_recv_buffer_bytes()))  # (a fill: no copy, no sync)
+        if self.aux_sums:
+            sums[1:2] += torch.stack(self.aux_sums).sum().to(torch.float64)
+        sums[2].fill_(float(self.local_recv_buffer_bytes()))  # (a fill: no copy, no sync)
         dist.all_reduce(sums, group=self.pp_group)
-        loss_sum = sums[:1]
+        loss_sums = sums[:2]
         if setup.loss_group is not None:
-            dist.all_reduce(loss_sum, group=setup.loss_group)
-        return StepStats(loss_sum[0] / global_tokens, grad_norm, global_tokens,
-                         {"pp_recv_buffer_bytes": sums[1].to(torch.int64)})
+            dist.all_reduce(loss_sums, group=setup.loss_group)
+        extra = {"pp_recv_buffer_bytes": sums[2].to(torch.int64)}
+        if self.loss.router is not None:
+            extra["aux_loss"] = loss_sums[1] / sequences
+        return StepStats(loss_sums[0] / global_tokens, grad_norm, global_tokens, extra)
 
     @torch.no_grad()
     def evaluate(self, micro_batches) -> torch.Tensor:
@@ -170,6 +180,7 @@ class PipelineStep:
             self.schedule.step(*args, target=target,
                                losses=chunk_losses if self.has_last else None)
             losses.extend(chunk_losses)
+            self.aux_sums.extend(self.loss.micro_batch_aux(len(chunk_losses)))
 
 
 def _forward_under_autocast(part, device_type: str, dtype: torch.dtype) -> None:

@@ -16,7 +16,7 @@ its own tokens' part of ``p``. The result is identical whatever the split.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -44,18 +44,41 @@ class RouterLoss:
     def per_sequence(self, router_logits: tuple, batch: int, group=None) -> torch.Tensor:
         """[batch] load-balancing terms of this rank's tokens: summed over the ranks of
         ``group`` (context parallelism), each is the sequence's ``aux``."""
+        return self.from_stats(self.stage_stats(router_logits, batch), group)
+
+    def stage_stats(self, router_logits: tuple, batch: int) -> torch.Tensor:
+        """[batch, top_k + 1, num_experts]: these layers' routing of each sequence, as sums
+        over layers and tokens. ``[:, k]`` counts the rows whose k-th choice is each expert
+        (no gradient), ``[:, top_k]`` sums each expert's router probability (with its
+        gradient). The sums of several groups of layers are those of all of them: a pipeline
+        adds each stage's to what it receives and passes them on."""
         logits = torch.stack([t.float() for t in router_logits])  # [L, B*S, E]
         layers = logits.shape[0]
         probs = F.softmax(logits, dim=-1).reshape(layers, batch, -1, self.num_experts)
         _, chosen = torch.topk(probs, self.top_k, dim=-1)  # [L, B, S, k]
         counts = F.one_hot(chosen, self.num_experts).sum(dim=(0, 2)).float()  # [B, k, E]
-        rows = torch.full((batch, self.top_k, 1), float(layers * probs.shape[2]),
-                          device=probs.device)
-        if group is not None:  # the sequence's counts and rows over all its ranks
-            both = torch.cat([counts, rows], dim=-1)
-            dist.all_reduce(both, group=group)
-            counts, rows = both[..., :-1], both[..., -1:]
+        return torch.cat([counts, probs.sum(dim=(0, 2))[:, None, :]], dim=1)
+
+    def from_stats(self, stats: torch.Tensor, group=None) -> torch.Tensor:
+        """[batch] ``aux`` of each sequence from the sums of all its layers
+        (:meth:`stage_stats`); under context parallelism the counts are summed over
+        ``group`` and the probabilities stay this rank's part."""
+        counts = stats[:, :-1].detach()  # [B, k, E]
+        if group is not None:  # the sequence's counts over all its ranks
+            counts = counts.clone()
+            dist.all_reduce(counts, group=group)
+        rows = counts[:, :1].sum(dim=-1, keepdim=True)  # [B, 1, 1]: each row picks k experts
         fraction = counts / rows  # [B, k, E]
-        prob_sum = probs.sum(dim=(0, 2))  # [B, E]: this rank's part, with its gradient
+        prob_sum = stats[:, -1]  # [B, E]: this rank's part, with its gradient
         return self.num_experts * (fraction * prob_sum[:, None, :]).sum(dim=(1, 2)) \
             / rows[:, 0, 0]
+
+
+def carry_routing_sums(parts: list, router: RouterLoss) -> None:
+    """Under a pipeline: each stage adds its layers' routing sums (:meth:`RouterLoss.
+    stage_stats`) to those it receives and sends them on with its activations, so the last
+    stage holds each sequence's sums over all layers (``pipelining/split.py``). They are
+    activations: the schedule's backward takes the gradient of their probability sums back to
+    every stage's routers."""
+    for part in parts:
+        part._pipeline_role = replace(part._pipeline_role, router_stats=router.stage_stats)

@@ -99,8 +99,13 @@ def _all_reduce_sum(t: torch.Tensor, group) -> torch.Tensor:
 
 
 def grad_sync_context(model, setup: DistributedSetup, is_last: bool):
-    """Skip the gradient reduce on all but the last micro-batch where the strategy allows."""
-    if setup.strategy == "ddp" and not is_last:
+    """Skip the gradient reduce on all but the last micro-batch where the strategy allows.
+
+    Not under DDP's ``static_graph``: torch's reducer does not support ``no_sync`` there (the
+    first backward fails an internal assert; past it, later steps stop reducing). Every
+    micro-batch's backward reduces instead; each adds the average of its gradients to the
+    already averaged sum of the earlier ones, so the result is the same."""
+    if setup.strategy == "ddp" and not is_last and not setup.options.static_graph:
         return model.no_sync()
     if setup.strategy == "fsdp2" and setup.options.defer_fsdp_grad_sync:
         model.set_requires_gradient_sync(is_last)

@@ -21,7 +21,7 @@ log = logging.getLogger("automodel")
 
 def local_peak_memory_bytes(info: DistInfo) -> int:
     """This rank's peak so far: CUDA allocations, else the process's resident set (host
-    counters, no device read; ``read_step`` takes the largest over all ranks)."""
+    counters, no device read; ``read_step`` takes the largest over the model's ranks)."""
     if info.device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(info.device))
     try:  # the process's own peak (ru_maxrss would carry the launcher's over the exec)

@@ -8,10 +8,11 @@ step):
 
 - loss, gradient norm and token count: global already (the step sums the loss and the tokens
   over the data-parallel and pipeline ranks; clipping makes the norm global);
-- the stop signal and the peak memory: a maximum over all ranks, one small all-reduce of
-  ``[signal, peak bytes]`` issued on the device and not read by itself. It cannot join the
-  step's sums: another reduction (max, not sum) over another group (the world, not the
-  data-parallel ranks, which under TP or PP is a subgroup);
+- the stop signal and the peak memory: a maximum over the model's ranks, one small all-reduce
+  of ``[signal, peak bytes]`` issued on the device and not read by itself. It cannot join the
+  step's sums: another reduction (max, not sum) over another group (the model's group
+  ``DistributedSetup.process_group``, not the data-parallel ranks, which under TP or PP is a
+  subgroup; nor the world, where other ranks may hold another model);
 - the step's extras (the pipeline's receive-buffer bytes).
 
 All of it is stacked into one float64 tensor (exact for integers below 2**53) and read with one
@@ -47,14 +48,16 @@ class StepValues:
         return math.isfinite(self.loss) and math.isfinite(self.grad_norm)
 
 
-def read_step(stats: StepStats, info: DistInfo, stop_signal: int | None) -> StepValues:
-    """The step's one read: ``stats`` and, over all ranks, the largest of this rank's
-    ``stop_signal`` (None or 0: none received) and peak memory."""
+def read_step(stats: StepStats, info: DistInfo, stop_signal: int | None,
+              group=None) -> StepValues:
+    """The step's one read: ``stats`` and, over the ranks of ``group`` (the model's; None:
+    this process alone), the largest of this rank's ``stop_signal`` (None or 0: none
+    received) and peak memory."""
     device = stats.loss.device
     ranks = torch.stack([full(stop_signal or 0, device),
                          full(local_peak_memory_bytes(info), device)])
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(ranks, op=dist.ReduceOp.MAX)
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(ranks, op=dist.ReduceOp.MAX, group=group)
     extra = stats.extra or {}
     values = torch.cat([
         torch.stack([stats.loss.to(torch.float64), stats.grad_norm.to(torch.float64),

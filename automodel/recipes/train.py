@@ -36,8 +36,8 @@ from automodel.distributed.materialize import (
     names_match,
     safetensors_files,
 )
-from automodel.distributed.megatron_fsdp import apply_megatron_fsdp
-from automodel.distributed.mesh import MeshAxis, build_mesh
+from automodel.distributed.megatron_fsdp import ModuleSource, apply_megatron_fsdp
+from automodel.distributed.mesh import MeshAxis, MeshContext, build_mesh
 from automodel.distributed.patches import patch_is_packed_sequence
 from automodel.distributed.setup import DistributedSetup, named_hook
 from automodel.faults import Faults
@@ -97,18 +97,23 @@ def _setup_logging(output_dir: str, info: DistInfo) -> list[logging.Handler]:
     return added
 
 
-def _agree_output_dir(output_dir: str, info: DistInfo) -> str:
-    """Under torchrun every rank composed its own config: rank 0's output dir wins."""
-    if dist.is_initialized() and info.world_size > 1:
+def _agree_output_dir(output_dir: str, setup: DistributedSetup) -> str:
+    """Under torchrun every rank composed its own config: the model's rank 0's dir wins."""
+    if setup.dist.world_size > 1:
         box = [output_dir]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, group=setup.process_group, group_src=0)
         return box[0]
     return output_dir
 
 
-def build_setup(cfg: TrainConfig, info: DistInfo) -> DistributedSetup:
-    mesh = None
-    if dist.is_initialized():
+def build_setup(cfg: TrainConfig, info: DistInfo, mesh: MeshContext | None = None
+                ) -> DistributedSetup:
+    """``mesh``: the model's mesh, built beforehand when the job holds other models on other
+    ranks (see ``train``); by default one over every rank. ``setup.dist`` counts ranks within
+    the mesh."""
+    if mesh is not None:
+        _check_mesh(cfg, mesh)
+    elif dist.is_initialized():
         m = cfg.mesh
         # groups start with the start-up timeout; set_collective_timeout lowers it later
         mesh = build_mesh(info.device.type, info.backend,
@@ -117,7 +122,8 @@ def build_setup(cfg: TrainConfig, info: DistInfo) -> DistributedSetup:
                           dp_shard=m.dp_size // m.dp_replicate_size, cp=m.cp_size, tp=m.tp_size,
                           cp_ulysses=m.cp_ulysses_size or 1, ep=m.ep_size)
     return DistributedSetup(
-        strategy=cfg.strategy, options=cfg.parallelism, dist=info, mesh=mesh,
+        strategy=cfg.strategy, options=cfg.parallelism,
+        dist=info.within(None if mesh is None else mesh.group), mesh=mesh,
         activation_checkpointing=cfg.activation_checkpointing,
         activation_checkpointing_scope=cfg.activation_checkpointing_scope,
         mp_policy=cfg.mp_policy, offload_policy=cfg.offload_policy, pipeline=cfg.pipeline,
@@ -126,23 +132,44 @@ def build_setup(cfg: TrainConfig, info: DistInfo) -> DistributedSetup:
         loss=cfg.trainer.loss, loss_chunk_tokens=cfg.trainer.loss_chunk_tokens)
 
 
-def train(cfg: TrainConfig, info: DistInfo) -> list[dict]:
-    output_dir = _agree_output_dir(cfg.output_dir, info)
-    handlers = _setup_logging(output_dir, info)
+def _check_mesh(cfg: TrainConfig, mesh: MeshContext) -> None:
+    m = cfg.mesh
+    want = {MeshAxis.PP: m.pp_size, MeshAxis.DP: m.dp_size, MeshAxis.CP: m.cp_size,
+            MeshAxis.TP: m.tp_size}
+    got = {axis: mesh.size(axis) for axis in want}
+    if got != want or (m.ep_size > 1) != (mesh.moe is not None):
+        raise ValueError(f"the mesh given to train() has {_sizes(got)} (expert parallelism "
+                         f"{'on' if mesh.moe is not None else 'off'}); the config's mesh is "
+                         f"{_sizes(want)} with ep_size={m.ep_size}: build the mesh from it")
+
+
+def _sizes(sizes: dict) -> str:
+    return ", ".join(f"{axis.value}={n}" for axis, n in sizes.items())
+
+
+def train(cfg: TrainConfig, info: DistInfo, mesh: MeshContext | None = None) -> list[dict]:
+    """Train on this rank. ``mesh``: when the job holds other models on other ranks (a frozen
+    reference, a teacher), this model's mesh over its ranks only (``build_mesh(ranks=...)``,
+    built by every rank of the job); only those ranks call ``train``. Its collectives stay
+    inside the mesh's group and the model's first rank writes the files."""
+    setup = build_setup(cfg, info, mesh)
+    output_dir = _agree_output_dir(cfg.output_dir, setup)
+    handlers = _setup_logging(output_dir, setup.dist)
     try:
-        return _train(cfg, info, output_dir)
+        return _train(cfg, setup, output_dir)
     finally:
         for h in handlers:
             logging.getLogger().removeHandler(h)
             h.close()
 
 
-def _train(cfg: TrainConfig, info: DistInfo, output_dir: str) -> list[dict]:
-    setup = build_setup(cfg, info)
+def _train(cfg: TrainConfig, setup: DistributedSetup, output_dir: str) -> list[dict]:
+    info = setup.dist  # ranks within the model's group
+    group = setup.process_group  # every collective of the recipe's own runs on it
     if getattr(cfg.parallelism, "patch_is_packed_sequence", False):
         patch_is_packed_sequence()
     set_phase("model build")
-    model, fill = _initial_model(cfg, info)
+    model, fill = _initial_model(cfg, info, group)
     n_params = sum(p.numel() for p in model.parameters())
     n_frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
     model_config = model.config.to_dict()
@@ -163,7 +190,8 @@ def _train(cfg: TrainConfig, info: DistInfo, output_dir: str) -> list[dict]:
     if setup.pp_enabled:  # (imported here: torch's pipelining pulls in the compiler stack)
         from automodel.recipes.pipeline_step import PipelineStep
 
-        pipeline = PipelineStep(parallel, setup, t.global_batch_size // setup.dp_size)
+        pipeline = PipelineStep(parallel, setup, t.global_batch_size // setup.dp_size,
+                                router_loss)
     evaluator = (Evaluator(held_out, t, setup, pipeline, parallel.head_loss)
                  if held_out is not None and t.eval_every else None)
     micro = (f"{parallel.num_stages} pipeline stages, {pipeline.n_microbatches} micro-batches "
@@ -182,7 +210,8 @@ def _train(cfg: TrainConfig, info: DistInfo, output_dir: str) -> list[dict]:
     per_checkpoint = checkpoint_bytes(n_params, n_params - n_frozen,
                                       torch.finfo(getattr(torch, cfg.model.dtype)).bits // 8)
     checkpointer = Checkpointer(checkpoint_root(cfg.checkpoint.dir, output_dir),
-                                cfg.checkpoint.keep_last, info.rank, faults, per_checkpoint)
+                                cfg.checkpoint.keep_last, info.rank, faults, per_checkpoint,
+                                group)
     if info.is_main:
         warn_if_short_of_space(checkpointer.root, per_checkpoint, cfg.checkpoint, t.max_steps)
     set_phase("checkpoint load")
@@ -199,7 +228,7 @@ def _train(cfg: TrainConfig, info: DistInfo, output_dir: str) -> list[dict]:
     def save(step_number: int) -> None:
         nonlocal saved_step
         extra = {"tokenizer_path": getattr(cfg.data, "tokenizer_path", None)}
-        with _startup_timeout(info):  # rank 0 exports and prunes alone
+        with _startup_timeout(info, group):  # rank 0 exports and prunes alone
             set_phase(f"checkpoint save (step {step_number}, {checkpointer.path(step_number)})")
             path = checkpointer.save(step_number, parallel.parts, optimizer, scheduler,
                                      model_config, extra, export_hf=cfg.checkpoint.export_hf)
@@ -227,7 +256,7 @@ def _train(cfg: TrainConfig, info: DistInfo, output_dir: str) -> list[dict]:
                 # The step's one device-to-host read (loss, norm, tokens, peak memory, the stop
                 # signal of any rank): the same values on every rank, so every rank takes the
                 # same branches. Before the optimizer step, which a non-finite step never runs.
-                values = read_step(stats, info, stop.received)
+                values = read_step(stats, info, stop.received, group)
                 if values.finite:
                     with record_function("automodel::optimizer"):
                         optimizer.step()
@@ -244,7 +273,7 @@ def _train(cfg: TrainConfig, info: DistInfo, output_dir: str) -> list[dict]:
                     set_phase(f"step {number}")
                 steplog.step(number, values, lr, seconds, plan.epochs(number), eval_loss)
                 if step == start_step:  # start-up (compile, loads, W&B start) is over
-                    set_collective_timeout(info.timeout)
+                    set_collective_timeout(info.timeout, group)
                 if cfg.checkpoint.every_steps and number % cfg.checkpoint.every_steps == 0:
                     save(number)
                 stopped_by = values.stop_signal
@@ -264,7 +293,7 @@ def _train(cfg: TrainConfig, info: DistInfo, output_dir: str) -> list[dict]:
     else:
         batches.close()
         stop.restore()
-        set_collective_timeout(info.startup_timeout)  # rank 0 alone finishes W&B
+        set_collective_timeout(info.startup_timeout, group)  # rank 0 alone finishes W&B
         steplog.close()
     if stopped_by is not None:
         stopped = TrainingStopped(stopped_by, number, checkpointer.path(number))
@@ -272,24 +301,25 @@ def _train(cfg: TrainConfig, info: DistInfo, output_dir: str) -> list[dict]:
         if cfg.launch.kind == "slurm":
             if stop.hand_over_to_submitit():  # rank 0: submitit requeues the job
                 log.warning("SLURM job requeued through submitit")
-            _barrier()  # no rank ends before the requeue is done
+            if group is not None:  # no rank ends before the requeue is done
+                dist.barrier(group=group)
         raise stopped
     return steplog.records
 
 
 @contextlib.contextmanager
-def _startup_timeout(info: DistInfo):
-    set_collective_timeout(info.startup_timeout)
+def _startup_timeout(info: DistInfo, group):
+    set_collective_timeout(info.startup_timeout, group)
     try:
         yield
     finally:
-        set_collective_timeout(info.timeout)
+        set_collective_timeout(info.timeout, group)
 
 
-def _initial_model(cfg: TrainConfig, info: DistInfo):
+def _initial_model(cfg: TrainConfig, info: DistInfo, group=None):
     """(model, materialize). With a process group every rank builds the model on the meta
     device and ``parallelize`` materializes only its shards: read as slices from a pretrained
-    safetensors checkpoint by every rank, or else filled from rank 0's one full copy (from
+    safetensors checkpoint by every rank, or else filled from the first rank's full copy (from
     config with the seed, or another checkpoint format). A lone process builds the real model
     directly."""
     seed = cfg.trainer.seed
@@ -306,8 +336,11 @@ def _initial_model(cfg: TrainConfig, info: DistInfo):
             load_slices(parts, info.device, files)
             torch.manual_seed(seed)  # (as build_model leaves it)
         else:
-            materialize(parts, info.device, lambda: full_initial_state(cfg.model, seed))
+            materialize(parts, info.device, lambda: full_initial_state(cfg.model, seed),
+                        group)
 
+    # (parallelism.init_fsdp_with_meta_device: megatron-fsdp fills one module at a time)
+    fill.source = ModuleSource(files, lambda: full_initial_state(cfg.model, seed), seed, group)
     return model, fill
 
 
@@ -323,11 +356,6 @@ def _nonfinite(number: int, loss: float, grad_norm: float, policy: str, saved_st
 
 class NonFiniteLoss(RuntimeError):
     """trainer.on_nonfinite=raise and a step's loss or gradient norm was NaN or infinite."""
-
-
-def _barrier():
-    if dist.is_initialized():
-        dist.barrier()
 
 
 def _restore(cfg: TrainConfig, checkpointer: Checkpointer, parts, optimizer, scheduler) -> int:

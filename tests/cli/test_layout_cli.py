@@ -15,7 +15,9 @@ from tests.cli.test_cli import run
     (["mesh.ep_size=2"], "LlamaForCausalLM (model_type 'llama') has no experts modules"),
     (["mesh.ep_size=4", "mesh.dp_size=4", "model=qwen3_moe_tiny",
       "model.config.num_experts=6"], "mesh.ep_size=4 must divide the model's num_experts=6"),
-    (["model=qwen3_moe_tiny", "pipeline=1f1b"], "set model.config.output_router_logits=false"),
+    # (the router loss under a pipeline rides on the patched stage forward)
+    (["model=qwen3_moe_tiny", "pipeline=1f1b", "pipeline.patch_causal_lm_model=false"],
+     "set pipeline.patch_causal_lm_model=true"),
     (["model=qwen3_moe_tiny", "mesh.tp_size=2", "parallelism.sequence_parallel=true"],
      "set parallelism.sequence_parallel=false"),
     # context parallelism: what the exchange cannot split, named

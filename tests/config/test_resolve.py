@@ -157,11 +157,15 @@ def test_pipeline_batch_divisible_by_microbatch():
     assert "pipeline.pp_batch_size=6 must divide" in msg
 
 
-def test_pipeline_refuses_sequence_parallel_tp():
+def test_pipeline_takes_sequence_parallel_tp_and_compile():
+    # stages pass each TP rank's sequence shard (tests/distributed/
+    # test_pipeline_sequence_parallel.py); compile with TP turns sequence parallelism on
     for extra in ("parallelism.sequence_parallel=true", "parallelism.enable_compile=true"):
-        msg = error("parallelism=fsdp2", "pipeline=1f1b", "mesh.tp_size=2", extra)
-        assert "parallelism.sequence_parallel=false" in msg
-    assert cfg("parallelism=fsdp2", "pipeline=1f1b", "mesh.tp_size=2").pipeline is not None
+        c = cfg("parallelism=fsdp2", "pipeline=1f1b", "mesh.tp_size=2", extra)
+        assert c.pipeline is not None and c.parallelism.sequence_parallel is True
+    msg = error("parallelism=fsdp2", "pipeline=1f1b", "mesh.tp_size=2", "trainer.seq_len=63",
+                "parallelism.sequence_parallel=true")
+    assert "trainer.seq_len=63 must be divisible by mesh.tp_size=2" in msg
 
 
 def test_pipeline_stages_against_the_model():

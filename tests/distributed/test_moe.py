@@ -5,7 +5,8 @@ experts, 2 per token, the router's load-balancing loss in the objective) must ma
 process in losses, gradient norms and the logged ``aux_loss`` (fp32, 5 steps):
 
 - experts whole (ep 1) under FSDP2, DDP, TP (the family's plan without its expert entries), compile
-  and a pipeline (without the router loss, which needs all layers of a sequence);
+  and a pipeline (1F1B: the stages carry the routing sums to the last one, which computes the
+  router loss; ``test_moe_pipeline_router.py`` checks the carry in one process);
 - experts spread over ep ranks (``mesh.ep_size``): alone (ep 2 on 2 ranks), FSDP2-sharded
   over ``ep_shard`` (ep 2 x ep_shard 2 on 4 ranks), with activation checkpointing (the
   recomputed forward must route every token as the first one did), with context
@@ -26,7 +27,6 @@ from tests.helpers import FP32, train
 FSDP2 = ["parallelism=fsdp2", FP32]
 ACCUM = ["trainer.local_batch_size=2"]
 FAMILIES = ["qwen3_moe_tiny", "mixtral_tiny", "olmoe_tiny"]
-NO_ROUTER_LOSS = "model.config.output_router_logits=false"
 
 
 def assert_moe_matches(records, ref):
@@ -59,9 +59,12 @@ def test_moe_family_matches_single_process(family, layout, reference, tmp_path):
 MORE = {  # qwen3_moe in the other layouts: (layout, model overrides the reference shares)
     "ddp_dp2": (["parallelism=ddp"] + ACCUM, []),
     "tp2": (FSDP2 + ["mesh.dp_size=1", "mesh.tp_size=2"], []),
-    "pp2": (FSDP2 + ["pipeline=1f1b", "pipeline.pp_microbatch_size=2"], [NO_ROUTER_LOSS]),
+    # the router loss under pipelines: the routing sums travel with the activations
+    "pp2": (FSDP2 + ["pipeline=1f1b", "pipeline.pp_microbatch_size=2"], []),
+    # (two schedule steps per optimizer step, static stage shapes)
     "ep2_x_pp2": (FSDP2 + ["mesh.dp_size=2", "mesh.ep_size=2", "pipeline=1f1b",
-                           "pipeline.pp_microbatch_size=2"], [NO_ROUTER_LOSS]),
+                           "pipeline.pp_microbatch_size=1", "pipeline.pp_batch_size=2",
+                           "pipeline.pp_seq_len=32"], []),
     "ep2_x_cp2": (FSDP2 + ["mesh.dp_size=1", "mesh.cp_size=2", "mesh.ep_size=2"], []),
     "compile": (FSDP2 + ["mesh.dp_size=2", "parallelism.enable_compile=true"], []),
     "ep2_x_hsdp": (FSDP2 + ["mesh.dp_size=4", "mesh.dp_replicate_size=2", "mesh.ep_size=2"],

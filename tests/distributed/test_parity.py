@@ -54,9 +54,7 @@ def test_reference_accumulation_matches_one_big_batch(reference, tmp_path):
 @pytest.mark.parametrize("name,overrides", [
     ("ddp", ["parallelism=ddp"]),
     ("ddp_accum", ["parallelism=ddp", "trainer.local_batch_size=2"]),
-    ("ddp_selective_ac", ["parallelism=ddp", "parallelism.activation_checkpointing=selective",
-                          "parallelism.bucket_cap_mb=0.01", "parallelism.static_graph=true",
-                          "parallelism.gradient_as_bucket_view=true"]),
+    # (DDP's knobs with selective AC and accumulation: tests/distributed/test_ddp_options.py)
     ("fsdp2", ["parallelism=fsdp2", FP32]),
     ("fsdp2_accum_deferred", ["parallelism=fsdp2", FP32, "trainer.local_batch_size=2"]),
     ("fsdp2_accum_not_deferred", ["parallelism=fsdp2", FP32, "trainer.local_batch_size=1",

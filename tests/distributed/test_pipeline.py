@@ -109,9 +109,11 @@ def test_recv_buffer_pool_gives_identical_losses_and_predicted_memory(tmp_path):
 
 
 def test_recv_buffer_pool_is_ignored_with_a_warning_for_other_schedules(reference, tmp_path):
-    records = train(PP + ["pipeline=interleaved", "pipeline.pp_recv_buffer_pool=true"], tmp_path)
+    # (1f1b and interleaved 1F1B are pooled: here and test_pipeline_recv_pool_interleaved.py)
+    records = train(PP + ["pipeline=gpipe", "pipeline.pp_recv_buffer_pool=true"], tmp_path)
     assert_matches(records, reference())
-    assert "applies to the 1f1b schedule only" in (tmp_path / "train.log").read_text()
+    assert "pp_recv_buffer_pool applies to the 1f1b and interleaved_1f1b (or dfs) schedules " \
+        "only; ignored for gpipe" in (tmp_path / "train.log").read_text()
 
 
 # ----------------------------------------------------------------- names -> torch classes

@@ -120,10 +120,15 @@ class StageRole:
     # global positions of a stage input's tokens, from its local length (None: 0..L-1;
     # context parallelism sets its own)
     positions: Optional[Callable] = None
+    # the router loss under a pipeline (``recipes/router_loss.py``): (router logits, batch)
+    # -> this stage's routing sums, added to the received ones and passed on
+    router_stats: Optional[Callable] = None
 
 
-def _stage_forward(self, x: torch.Tensor) -> torch.Tensor:
-    """Token ids (first stage) or hidden states in; hidden states or logits (last) out."""
+def _stage_forward(self, x: torch.Tensor, carried: torch.Tensor | None = None):
+    """Token ids (first stage) or hidden states in; hidden states or logits (last) out.
+    With ``role.router_stats`` each stage also returns the routing sums of the layers so far
+    (``carried``: the previous stages')."""
     role: StageRole = self._pipeline_role
     base = getattr(self, role.anatomy.base)
     layers = getattr(base, role.anatomy.layers)
@@ -136,14 +141,27 @@ def _stage_forward(self, x: torch.Tensor) -> torch.Tensor:
         kwargs["inputs_embeds"] = x
         if isinstance(layers, StageLayers):
             layers.stage_input = x
+    if role.router_stats is not None:  # the model's own record of its routers' logits
+        kwargs["output_router_logits"] = True
     if role.last:
-        return type(self).forward(self, **kwargs).logits
-    hidden = base(**kwargs)[0]
+        out = type(self).forward(self, **kwargs)
+        return _with_router_sums(out.logits, out, role, x.shape[0], carried)
+    out = base(**kwargs)
+    hidden = out[0]
     if isinstance(layers, StageLayers):
         hidden, layers.stage_output = layers.stage_output, None
     # a stage must return a fresh tensor, never a view of its input (zero-bubble schedules
     # detach outputs in place)
-    return hidden if hidden._base is None and hidden is not x else hidden.clone()
+    hidden = hidden if hidden._base is None and hidden is not x else hidden.clone()
+    return _with_router_sums(hidden, out, role, x.shape[0], carried)
+
+
+def _with_router_sums(y: torch.Tensor, out, role: StageRole, batch: int, carried):
+    """``y``, or (``y``, the routing sums of this stage's layers and the previous ones')."""
+    if role.router_stats is None:
+        return y
+    sums = role.router_stats(out.router_logits, batch)
+    return y, sums if carried is None else carried + sums
 
 
 # ----------------------------------------------------------------------------- contents

@@ -48,14 +48,36 @@ def split_model(model: nn.Module, pipeline, pp_rank: int, pp_size: int):
 class PipelineLoss:
     """The last stage's loss per micro-batch times ``scale`` (set by the runner each step so
     gradients match the unpipelined step). ``fn(logits, labels)`` must return the loss summed
-    over the micro-batch's tokens (``pipeline.loss_fn`` replaces the default)."""
+    over the micro-batch's tokens (``pipeline.loss_fn`` replaces the default).
 
-    def __init__(self, fn=summed_cross_entropy):
+    ``router`` (``recipes/router_loss.py``): the last stage returns (logits, the routing sums
+    of all layers); ``router_scale * aux`` (the micro-batch's sum over sequences) joins the
+    objective, and :meth:`micro_batch_aux` gives the micro-batches' aux sums."""
+
+    def __init__(self, fn=summed_cross_entropy, router=None, router_group=None):
         self.fn = fn
         self.scale = 1.0
+        self.router = router
+        self.router_group = router_group  # context parallelism: a sequence's ranks
+        self.router_scale = 0.0
+        self._aux_sums: list = []  # of each call since the last micro_batch_aux
 
-    def __call__(self, logits, labels):
-        return self.fn(logits, labels) * self.scale
+    def __call__(self, output, labels):
+        if self.router is None:
+            return self.fn(output, labels) * self.scale
+        logits, sums = output
+        aux = self.router.from_stats(sums, self.router_group).sum()
+        self._aux_sums.append(aux.detach())
+        term = aux * self.router_scale
+        # the schedule reports what this returns as the loss: the router's term joins with its
+        # gradient at a value of exactly zero, so the reported loss stays the token loss
+        return self.fn(logits, labels) * self.scale + (term - term.detach())
+
+    def micro_batch_aux(self, n: int) -> list:
+        """The aux sums of the schedule step's ``n`` micro-batches: its last ``n`` calls (the
+        schedule's first step also calls the loss on placeholders, to infer shapes)."""
+        sums, self._aux_sums = self._aux_sums[len(self._aux_sums) - n:], []
+        return sums
 
 
 def load_loss_fn(path: str | None):
@@ -68,30 +90,44 @@ def load_loss_fn(path: str | None):
 
 
 def example_args(part: nn.Module, stage_id: int, num_stages: int, microbatch: int,
-                 seq_len: int, dtype: torch.dtype, device, fused_head: bool = False):
+                 seq_len: int, dtype: torch.dtype, device, fused_head: bool = False,
+                 seq_shards: int = 1):
     """Input and output examples of a stage, so PipelineStage skips runtime shape inference.
-    ``fused_head``: the last stage returns hidden states (its head joins the loss)."""
+    ``fused_head``: the last stage returns hidden states (its head joins the loss).
+    ``seq_shards``: under sequence parallelism the TP degree: the hidden states passed
+    between stages are each rank's ``seq_len // seq_shards`` tokens (``sequence_shards.py``)."""
     cfg = part.config
+    between = seq_len // seq_shards
 
     def activation(*shape):  # activations carry gradients back: examples must say so
         return torch.empty(*shape, dtype=dtype, device=device, requires_grad=True)
 
     inputs = (torch.zeros(microbatch, seq_len, dtype=torch.long, device=device)
-              if stage_id == 0 else activation(microbatch, seq_len, cfg.hidden_size))
-    last = stage_id == num_stages - 1 and not fused_head
-    outputs = activation(microbatch, seq_len, cfg.vocab_size if last else cfg.hidden_size)
+              if stage_id == 0 else activation(microbatch, between, cfg.hidden_size))
+    if stage_id < num_stages - 1:
+        outputs = activation(microbatch, between, cfg.hidden_size)
+    else:
+        outputs = activation(microbatch, seq_len, cfg.hidden_size if fused_head
+                             else cfg.vocab_size)
     return inputs, outputs
 
 
 def build_schedule(parts, stage_ids, num_stages, pipeline, device, pp_group, n_microbatches,
                    loss: PipelineLoss, shapes: tuple | None = None, fused_head: bool = False):
-    """``shapes``: (seq_len, activation dtype) for static shapes; None = infer at run time."""
+    """``shapes``: (seq_len, activation dtype[, seq_shards]) for static shapes (see
+    ``example_args``); None = infer at run time."""
     stages = []
     for part, sid in zip(parts, stage_ids):
         examples = {}
         if shapes is not None:
+            seq_len, dtype, *seq_shards = shapes
             inputs, outputs = example_args(part, sid, num_stages, pipeline.pp_microbatch_size,
-                                           shapes[0], shapes[1], device, fused_head)
+                                           seq_len, dtype, device, fused_head, *seq_shards)
+            if loss.router is not None:  # the routing sums travel with the activations
+                sums = torch.empty(pipeline.pp_microbatch_size, loss.router.top_k + 1,
+                                   loss.router.num_experts, device=device, requires_grad=True)
+                inputs = inputs if sid == 0 else (inputs, sums)
+                outputs = (outputs, sums)
             examples = {"input_args": inputs, "output_args": outputs}
         stages.append(PipelineStage(part, sid, num_stages, device, group=pp_group, **examples))
     kwargs = dict(n_microbatches=n_microbatches, loss_fn=loss,

@@ -40,8 +40,12 @@ class TiedEmbeddingSync:
         if first_pp != last_pp:
             ranks = mesh.device_mesh.mesh  # global ranks; the pipeline axis comes first
             firsts, lasts = ranks[first_pp].flatten().tolist(), ranks[last_pp].flatten().tolist()
-            self.group, _ = dist.new_subgroups_by_enumeration(
-                [[a, b] for a, b in zip(firsts, lasts)], timeout=timeout)
+            me = dist.get_rank()
+            pair = next((p for p in zip(firsts, lasts) if me in p), None)
+            if pair is not None:  # only the pair's two ranks create it: ranks outside the
+                # model's mesh (another model of the job) never take part
+                self.group = dist.new_group(list(pair), timeout=timeout,
+                                            use_local_synchronization=True)
         # the copy left out of the gradient norm (the other one counts it)
         self.not_in_norm = {id(self.copies[last])} if last in self.copies and (
             0 in self.copies or self.group is not None) else set()
