@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 
 def _barrier(group):
     if dist.is_initialized():
-        dist.barrier()
+        dist.barrier(group=group)
 
 
 def _part_states(parts, optimizers) -> list[tuple[dict, dict]]:

@@ -12,6 +12,11 @@ applied to each sequence (its tokens in all layers) and averaged over the sequen
 global batch. Only ``p`` carries a gradient, and ``sum(f * p)`` is linear in ``p``: a context-
 parallel rank sums ``f`` over the ranks holding the sequence (no gradient) and contributes
 its own tokens' part of ``p``. The result is identical whatever the split.
+
+Under a pipeline a stage holds only some layers: each stage adds its layers' sums (counts
+and probability sums, :meth:`RouterLoss.stage_stats`) to those it receives and sends them on
+with its activations; the last stage applies the formula to the sums of all layers
+(:meth:`RouterLoss.from_stats`), so the number is the same as without a pipeline.
 """
 
 from __future__ import annotations
