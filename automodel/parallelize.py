@@ -32,7 +32,8 @@ from automodel.distributed.ddp import apply_ddp
 from automodel.distributed.expert_parallel import apply_ep
 from automodel.distributed.fsdp2 import apply_fsdp2, build_policy
 from automodel.distributed.fused_head import apply_fused_head, head_fqn
-from automodel.distributed.megatron_fsdp import checkpointed_mlps, meta_init, prepare_meta_init
+from automodel.distributed.megatron_fsdp import checkpointed_mlps
+from automodel.distributed.megatron_meta_init import meta_init, prepare_meta_init
 from automodel.distributed.mesh import MeshAxis
 from automodel.distributed.setup import DistributedSetup
 from automodel.distributed.tensor_parallel import apply_tp, expand_plan

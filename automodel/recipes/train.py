@@ -36,7 +36,8 @@ from automodel.distributed.materialize import (
     names_match,
     safetensors_files,
 )
-from automodel.distributed.megatron_fsdp import ModuleSource, apply_megatron_fsdp
+from automodel.distributed.megatron_fsdp import apply_megatron_fsdp
+from automodel.distributed.megatron_meta_init import ModuleSource
 from automodel.distributed.mesh import MeshAxis, MeshContext, build_mesh
 from automodel.distributed.patches import patch_is_packed_sequence
 from automodel.distributed.setup import DistributedSetup, named_hook
