@@ -225,7 +225,8 @@ def test_autocast_dtype_names():
 def test_mp_policy_default_and_target():
     c = cfg("parallelism=fsdp2")
     assert c.mp_policy.name == "MixedPrecisionPolicy"
-    assert c.mp_policy.kwargs == {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
+    assert c.mp_policy.kwargs == {"param_dtype": "bfloat16", "reduce_dtype": "float32",
+                                  "output_dtype": None, "cast_forward_inputs": False}
     c = cfg("parallelism=fsdp2", FP32)
     assert c.mp_policy.kwargs["param_dtype"] == "float32"
     msg = error("parallelism=fsdp2", "parallelism.mp_policy={_target_:torch.nn.Linear}")
