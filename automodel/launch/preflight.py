@@ -82,9 +82,9 @@ def check_image_inputs(cfg: TrainConfig) -> None:
     from automodel.models.image_inputs import image_spec
 
     try:
-        image_token_id(model.config)
         if cfg.data_source == "files":
             image_spec(model)  # (the processor makes the images; the family must take them)
+            image_token_id(model.config)
         else:
             synthetic_format(model.config, model, 0)
     except ValueError as err:

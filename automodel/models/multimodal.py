@@ -15,7 +15,6 @@ from __future__ import annotations
 import fnmatch
 import inspect
 
-import torch
 from torch import nn
 
 from automodel.config.validate import LAYER_GROUPS
