@@ -19,8 +19,6 @@ from automodel.config.policies import PolicySpec, resolve_policy
 from automodel.config.validate import (
     check_ac_and_strategy,
     check_checkpoint,
-    check_data,
-    check_data_with_layout,
     check_distributed,
     check_dtype,
     check_logger,
@@ -30,6 +28,7 @@ from automodel.config.validate import (
     resolve_mesh,
     resolve_trainer,
 )
+from automodel.config.validate_data import check_data, check_data_with_layout
 from automodel.config.validate_pipeline import check_pipeline, check_pipeline_model
 from automodel.launch.env import LaunchEnv, detect_launch_env
 
