@@ -11,9 +11,11 @@ FFN = {"intermediate_size", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim",
 SMALL_FFN = {"moe_intermediate_size", "shared_expert_intermediate_size"}
 DEPTH = {"num_hidden_layers", "depth", "num_layers", "encoder_layers", "decoder_layers"}
 HEADS = {"num_attention_heads", "num_heads", "encoder_attention_heads",
-         "decoder_attention_heads"}
+         "decoder_attention_heads", "index_n_heads"}
 EXPERTS = {"num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts"}
 TOP_K = {"num_experts_per_tok", "moe_k", "moe_topk"}
+CHANNELS = {"base_channels", "latent_channels"}  # convolutional image tokenizers (VQ models)
+CODEBOOK = {"num_embeddings"}  # their codebooks
 VOCAB = 320  # bytes 0-255 are text; special tokens are moved to 256 and up
 LAYERS = 2
 
@@ -49,7 +51,12 @@ def _fix_rope(out: dict, wants_section: bool) -> None:
         if not (isinstance(section, list) and section) and wants_section and rope:
             section = [2, 3, 3]
         if isinstance(section, list) and section:
-            half, total = head_dim // 2, sum(section)
+            # The sections split the rotary part of the head (partial rotary: a fraction). One
+            # too small for a frequency per axis keeps the head's half (interleaved sections,
+            # as Qwen 3.5's, are cut to the rotary part by the modeling code).
+            rotary = int(head_dim * (rope.get("partial_rotary_factor") or 1)) // 2
+            half = rotary if rotary >= len(section) else head_dim // 2
+            total = sum(section)
             new = [max(1, s * half // total) for s in section]
             new[-1] += half - sum(new)
             out[key] = {**rope, "mrope_section": new}
@@ -73,9 +80,12 @@ def _shrink(d: dict, tokens: dict, sections: set) -> dict:
         elif isinstance(value, list) and depth and len(value) == depth and depth > LAYERS:
             out[key] = value[:LAYERS]
         elif key in MLA and isinstance(value, int):
-            out[key] = MLA[key]
+            out[key] = MLA[key] if value else 0  # (0: no such part, e.g. no rotary half)
         elif key in IMAGE_TOKENS and isinstance(value, int):
             out[key] = 4
+        elif key == "sliding_window" and value is None and "use_sliding_window" not in d \
+                and "sliding_attention" not in d.get("layer_types", ["sliding_attention"]):
+            out[key] = 16  # (no layer slides; some modeling code builds the mask regardless)
         elif isinstance(value, bool) or value is None:
             out[key] = value
         elif _token_key(key) and isinstance(value, list):
@@ -96,16 +106,22 @@ def _shrink(d: dict, tokens: dict, sections: set) -> dict:
             out[key] = 2
         elif key == "num_key_value_heads" and isinstance(value, int):
             out[key] = 1 if value == 1 else 2
-        elif key == "head_dim" and isinstance(value, int):
-            out[key] = 16
+        elif key in ("head_dim", "index_head_dim") and isinstance(value, int):
+            out[key] = 16 if value else 0
         elif key in EXPERTS and isinstance(value, int):
             out[key] = 4
         elif key in TOP_K and isinstance(value, int):
             out[key] = 2
+        elif key in CHANNELS and isinstance(value, int):
+            out[key] = 32
+        elif key in CODEBOOK and isinstance(value, int):
+            out[key] = 64
         elif key == "vocab_size" and isinstance(value, int):
             out[key] = VOCAB
         elif key == "image_size":
             out[key] = [32, 32] if isinstance(value, list) else 32
+        elif key == "patch_size" and isinstance(value, list) and len(value) != 2:
+            out[key] = value  # (one per stage of a convolutional tower: already small)
         elif key == "patch_size":
             small = 4 if "spatial_merge_size" in d or "temporal_patch_size" in d else 8
             out[key] = [small, small] if isinstance(value, list) else small
@@ -115,15 +131,46 @@ def _shrink(d: dict, tokens: dict, sections: set) -> dict:
             out[key] = 16
         elif key == "layer_types" and isinstance(value, list):
             out[key] = value[:LAYERS]
-        elif isinstance(value, int) and ("layer" in key or "index" in key):
+        elif isinstance(value, int) and _layer_key(key):
             out[key] = _layer_index(value)
         elif (isinstance(value, list) and value and all(isinstance(v, int) for v in value)
-              and ("layer" in key or "index" in key or "indices" in key)):
+              and _layer_key(key)):
             out[key] = list(dict.fromkeys(_layer_index(v) for v in value))
         else:
             out[key] = value
+    _keep_relations(d, out)
     _fix_rope(out, d.get("model_type") in sections)
     return out
+
+
+def _layer_key(key: str) -> bool:
+    """A layer number or list of them (``vision_feature_layer``, ``global_attn_indexes``); not
+    the sizes of a sparse-attention indexer (``index_head_dim``, ``index_topk``)."""
+    return ("layer" in key or "index" in key) and not key.startswith("index_")
+
+
+def _sized(key) -> bool:
+    return isinstance(key, str) and key.endswith(("_dim", "_size", "_rank")) and not key.endswith(
+        ("vocab_size", "codebook_size", "patch_size", "image_size", "kernel_size", "merge_size"))
+
+
+def _keep_relations(full: dict, out: dict) -> None:
+    """Sizes the rules left alone that the full config ties to sizes the rules changed, in the
+    same (sub-)config: equal to one (``codebook_dim`` = ``hidden_size``), or the sum of two
+    (``qk_head_dim`` = ``qk_nope_head_dim`` + ``qk_rope_head_dim``), stay so."""
+    changed = {k: v for k, v in full.items() if _sized(k) and isinstance(v, int)
+               and not isinstance(v, bool) and out.get(k) != v and k not in FFN | SMALL_FFN}
+    for key, value in full.items():
+        if not _sized(key) or key in changed or not isinstance(value, int) or isinstance(
+                value, bool) or not value:
+            continue
+        equal = [k for k, v in changed.items() if v == value]
+        sums = [(a, b) for a in changed for b in changed
+                if a < b and changed[a] + changed[b] == value]
+        if equal:
+            out[key] = out[equal[0]]
+        elif len(sums) == 1:
+            out[key] = out[sums[0][0]] + out[sums[0][1]]
 
 
 def _needs_section(model_type: str) -> set:
@@ -140,16 +187,53 @@ def _needs_section(model_type: str) -> set:
     return found
 
 
+def _widths(full: dict, tiny: dict, found: dict) -> None:
+    for key, value in full.items():
+        if isinstance(value, dict) and isinstance(tiny.get(key), dict):
+            _widths(value, tiny[key], found)
+        elif key in WIDTH and isinstance(value, int) and tiny.get(key) != value:
+            found.setdefault(value, set()).add(tiny[key])
+
+
+def _keep_widths(full: dict, tiny: dict, widths: dict | None = None) -> None:
+    """Across sub-configs: a size the rules left alone that equals a width of another
+    sub-config (an adapter's output = the language model's hidden size) becomes that width."""
+    if widths is None:
+        widths = {}
+        _widths(full, tiny, widths)
+    for key, value in full.items():
+        if isinstance(value, dict) and isinstance(tiny.get(key), dict):
+            _keep_widths(value, tiny[key], widths)
+        elif (_sized(key) and isinstance(value, int) and tiny.get(key) == value
+              and len(widths.get(value, ())) == 1):
+            tiny[key] = next(iter(widths[value]))
+
+
+def _with_vision(config):
+    """A family whose default config leaves its vision tower out (``vision_config=None``, as
+    Gemma 4's text-only default does) gets the vision config class's own default, as its
+    checkpoints have."""
+    from transformers import AutoConfig
+
+    if "vision_config" in (getattr(config, "sub_configs", None) or {}) and getattr(
+            config, "vision_config", None) is None:
+        return AutoConfig.for_model(config.model_type, vision_config={})
+    return config
+
+
 def tiny_config(model_type: str) -> dict:
     """``model.config`` (for ``AutoConfig.for_model``) of a tiny model of ``model_type``."""
     from transformers import AutoConfig
 
-    full = AutoConfig.for_model(model_type).to_dict()
+    full = _with_vision(AutoConfig.for_model(model_type)).to_dict()
     found: set = set()
     _collect_tokens(full, found)
     big = sorted(t for t in found if t >= 256)
     tokens = {t: 256 + i for i, t in enumerate(big)}
     tiny = _shrink(full, tokens, _needs_section(model_type))
+    _keep_widths(full, tiny)
+    if any(k.endswith("_token_offset") for k in full):  # discrete image codes at offsets
+        tiny["text_config"]["vocab_size"] = full["text_config"]["vocab_size"]  # (they fit)
     pinpoints, size = tiny.get("image_grid_pinpoints"), (full.get("vision_config") or {}).get(
         "image_size")
     if pinpoints and isinstance(size, int):  # tiles: the same grids, in tiny images

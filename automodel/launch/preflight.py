@@ -66,18 +66,32 @@ def check_model_layout(cfg: TrainConfig) -> None:
 
 
 def check_image_inputs(cfg: TrainConfig) -> None:
-    """An image-text model: derive, on the meta device, the image inputs it takes and the image
-    tokens one image fills (``models/image_inputs.py``), as the ranks will; a family for which
-    that fails is refused here, naming what is missing."""
+    """The model must be one automodel builds: a causal LM, or an image-text model (a
+    ``vision_config``). An image-text model is built on the meta device, and the image inputs it
+    takes and the image tokens one image fills derived (``models/image_inputs.py``), as the
+    ranks will; a family for which any of that fails is refused here, naming what is missing
+    (a package to install, a vision_config, an input)."""
     from automodel.models.builder import build_meta_model, hf_config
     from automodel.models.multimodal import image_token_id, is_image_text
 
     try:
-        if not is_image_text(hf_config(cfg.model)):
-            return
-        model = build_meta_model(cfg.model)
-    except Exception:  # the layout check below reports a model that cannot be built
+        config = hf_config(cfg.model)
+    except Exception as err:  # transformers' own config checks raise several kinds
+        raise ConfigError(f"model ({_which(cfg)}): transformers refuses its config: "
+                          f"{type(err).__name__}: {_first_line(err)}") from None
+    if not is_image_text(config):
+        _check_causal_lm(cfg, config)
         return
+    try:
+        model = build_meta_model(cfg.model)
+    except ImportError as err:
+        package = _missing_package(err)
+        raise ConfigError(f"model ({_which(cfg)}): building {type(config).__name__}'s model "
+                          f"needs the package {package!r}, which is not installed: pip install "
+                          f"{package}") from None
+    except Exception as err:  # the family's own modeling code
+        raise ConfigError(f"model ({_which(cfg)}): cannot build {type(config).__name__}'s "
+                          f"model: {type(err).__name__}: {_first_line(err)}") from None
     from automodel.data.image_text import synthetic_format
     from automodel.models.image_inputs import image_spec
 
@@ -90,6 +104,39 @@ def check_image_inputs(cfg: TrainConfig) -> None:
     except ValueError as err:
         raise ConfigError(f"model ({_which(cfg)}): {err}; this image-text family cannot train "
                           "in automodel (docs/image_text.md lists the families)") from None
+
+
+def _check_causal_lm(cfg: TrainConfig, config) -> None:
+    """A config without a ``vision_config`` is built as a causal LM: transformers must have
+    one for it. Image-text families whose images come another way (discrete image codes in a
+    ``vq_config``, a protein encoder, an encoder-decoder) have none, and are named here."""
+    from transformers import AutoModelForCausalLM
+
+    if type(config) in AutoModelForCausalLM._model_mapping:
+        return
+    subs = [k for k in (getattr(config, "sub_configs", None) or {})
+            if getattr(config, k, None) is not None]
+    kind = ("an encoder-decoder model" if getattr(config, "is_encoder_decoder", False)
+            or {"encoder", "decoder"} <= set(subs) else
+            f"a model with {', '.join(subs)} and no vision_config" if subs else
+            "a model with neither a vision_config nor a causal-LM class")
+    raise ConfigError(f"model ({_which(cfg)}): {type(config).__name__} is {kind}: automodel "
+                      "builds image-text models from a vision_config (a vision tower whose "
+                      "features fill the image tokens) and text models with "
+                      "AutoModelForCausalLM, which has no class for model_type "
+                      f"{config.model_type!r}")
+
+
+def _missing_package(err: ImportError) -> str:
+    import re
+
+    found = re.search(r"pip install (?:-U )?`?([A-Za-z0-9_.\-]+)", str(err))
+    return found.group(1) if found else (err.name or str(err)).split(".")[0]
+
+
+def _first_line(err: Exception) -> str:
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return " ".join(lines[:2])[:500]
 
 
 def _which(cfg: TrainConfig) -> str:
