@@ -1,6 +1,7 @@
 """Pipelines with tensor and sequence parallelism (PP2 x TP2 on 4 ranks): each TP rank sends
 its local sequence shard to the same TP rank of the next stage. Losses and grad norms match
-a single process (fp32), and the receive buffers hold [micro-batch, seq / tp, hidden]."""
+a single process (fp32), and the receive buffers hold [micro-batch, seq / tp, hidden]; once
+with the decoder layers compiled."""
 
 import pytest
 
@@ -24,8 +25,9 @@ def _local_boundary_bytes(stages: int) -> int:
 @pytest.mark.parametrize("name,overrides,stages", [
     # 1F1B with static stage shapes: the examples give stages the local length seq / tp
     ("1f1b_static_shapes", ["pipeline=1f1b", "pipeline.pp_seq_len=32"], 2),
-    # interleaved: two stages per rank (one layer each), shapes inferred at run time
-    ("interleaved_inferred_shapes", ["pipeline=interleaved"], 4),
+    # interleaved: two stages per rank (one layer each), shapes inferred at run time, the
+    # layers compiled (compile with TP switches sequence parallelism on by itself: test_resolve)
+    ("interleaved_compiled", ["pipeline=interleaved", "parallelism.enable_compile=true"], 4),
 ])
 def test_pp2_tp2_sequence_parallel_matches_single_process(name, overrides, stages, reference,
                                                           tmp_path):
@@ -35,12 +37,3 @@ def test_pp2_tp2_sequence_parallel_matches_single_process(name, overrides, stage
     # sequence would be twice as many bytes)
     assert records[-1]["pp_recv_buffer_bytes"] == _local_boundary_bytes(stages)
 
-
-def test_pp2_tp2_with_compile_matches_single_process(reference, tmp_path):
-    # compile with TP switches sequence parallelism on (test_resolve); under a pipeline too
-    records = train(["parallelism=fsdp2", FP32, "mesh.tp_size=2", "pipeline=1f1b",
-                     "pipeline.pp_microbatch_size=2", "parallelism.enable_compile=true"],
-                    tmp_path)
-    assert_matches(records, reference())
-    assert records[-1]["pp_recv_buffer_bytes"] == _local_boundary_bytes(2)
-    assert "sequence parallel" in (tmp_path / "train.log").read_text()
