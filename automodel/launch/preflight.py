@@ -8,8 +8,12 @@ Each check is the one the runtime itself uses, so what passes here runs there.
 
 from __future__ import annotations
 
+import logging
+
 from automodel.config.build import ConfigError
 from automodel.config.resolve import TrainConfig
+
+log = logging.getLogger(__name__)
 
 
 def check_model_layout(cfg: TrainConfig) -> None:
@@ -111,8 +115,16 @@ def _check_causal_lm(cfg: TrainConfig, config) -> None:
     one for it. Image-text families whose images come another way (discrete image codes in a
     ``vq_config``, a protein encoder, an encoder-decoder) have none, and are named here."""
     from transformers import AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES as IMAGE_TEXT,
+    )
 
     if type(config) in AutoModelForCausalLM._model_mapping:
+        if config.model_type in IMAGE_TEXT:  # (emu3, fuyu: images without a vision_config)
+            log.warning("model_type %r is an image-text family without a vision_config: "
+                        "automodel builds %s, its text model, and feeds it text only",
+                        config.model_type,
+                        AutoModelForCausalLM._model_mapping[type(config)].__name__)
         return
     subs = [k for k in (getattr(config, "sub_configs", None) or {})
             if getattr(config, k, None) is not None]

@@ -11,6 +11,7 @@ loss and gradient norm of the same global batch in one process (fp32).
 
 import dataclasses
 import importlib.util
+import logging
 import warnings
 
 import pytest
@@ -31,6 +32,8 @@ COVERED = [
 ]
 
 # Refused for a package that is not installed here (checked only while it is not).
+# no vision_config, but a causal-LM class: built as text models (their text part)
+TEXT_ONLY = ["emu3", "fuyu"]
 NEEDS_PACKAGE = {"fast_vlm": "timm", "gemma3n": "timm", "perception_lm": "timm",
                  "inkling_mm_model": "scipy"}
 
@@ -158,7 +161,7 @@ def test_every_covered_family_trains_like_one_process(tmp_path):
         assert dp2 == pytest.approx(one, rel=1e-5), family
 
 
-def test_other_families_are_refused_before_launch(tmp_path):
+def test_other_families_are_refused_before_launch(tmp_path, caplog):
     from transformers.models.auto.modeling_auto import (
         MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES as FAMILIES,
     )
@@ -168,6 +171,8 @@ def test_other_families_are_refused_before_launch(tmp_path):
 
     cfg = _base_config(tmp_path)
     assert not set(COVERED) & set(REFUSED) and set(COVERED) | set(REFUSED) <= set(FAMILIES)
+    # every family is covered, refused (or needs a package), or built as text
+    assert set(COVERED) | set(REFUSED) | set(NEEDS_PACKAGE) | set(TEXT_ONLY) == set(FAMILIES)
     missing = {f: f"needs the package '{p}', which is not installed: pip install {p}"
                for f, p in NEEDS_PACKAGE.items() if importlib.util.find_spec(p) is None}
     for family, reason in {**REFUSED, **missing}.items():
@@ -175,6 +180,14 @@ def test_other_families_are_refused_before_launch(tmp_path):
             check_model_layout(_with_model(cfg, family))
     for family in COVERED[:3]:
         check_model_layout(_with_model(cfg, family))  # passes
+    # image-text families without a vision_config but with a causal-LM class train as text,
+    # and the user is told so
+    for family in TEXT_ONLY:
+        with caplog.at_level(logging.WARNING, logger="automodel.launch.preflight"):
+            caplog.clear()
+            check_model_layout(_with_model(cfg, family))
+        assert f"model_type {family!r} is an image-text family without a vision_config" \
+            in caplog.text, family
 
 
 def test_freeze_groups_resolve_for_every_covered_family():
