@@ -5,7 +5,7 @@ with the decoder layers compiled."""
 
 import pytest
 
-from tests.distributed.test_parity import assert_matches
+from tests.distributed.test_parity import assert_close_to_fp32, assert_matches
 from tests.helpers import FP32, TRAINER, train
 
 PP_TP_SP = ["parallelism=fsdp2", FP32, "mesh.tp_size=2", "parallelism.sequence_parallel=true",
@@ -37,3 +37,11 @@ def test_pp2_tp2_sequence_parallel_matches_single_process(name, overrides, stage
     # sequence would be twice as many bytes)
     assert records[-1]["pp_recv_buffer_bytes"] == _local_boundary_bytes(stages)
 
+
+
+def test_pp2_tp2_sequence_parallel_under_the_default_mp_policy(reference, tmp_path):
+    # what users run: bf16 parameters (the default mp_policy), close to the fp32 reference;
+    # with gradient accumulation (two schedule steps per optimizer step)
+    records = train([o for o in PP_TP_SP if o != FP32]
+                    + ["pipeline=1f1b", "trainer.local_batch_size=4"], tmp_path)
+    assert_close_to_fp32(records, reference(), loss_rtol=1e-2)
