@@ -18,6 +18,10 @@ CHANNELS = {"base_channels", "latent_channels"}  # convolutional image tokenizer
 CODEBOOK = {"num_embeddings"}  # their codebooks
 VOCAB = 320  # bytes 0-255 are text; special tokens are moved to 256 and up
 LAYERS = 2
+# each size key (of a kind above) -> its tiny value
+FIXED = {**dict.fromkeys(WIDTH, 32), **dict.fromkeys(FFN, 64), **dict.fromkeys(SMALL_FFN, 32),
+         **dict.fromkeys(DEPTH, LAYERS), **dict.fromkeys(HEADS, 2), **dict.fromkeys(EXPERTS, 4),
+         **dict.fromkeys(TOP_K, 2), **dict.fromkeys(CHANNELS, 32), **dict.fromkeys(CODEBOOK, 64)}
 
 
 def _token_key(key) -> bool:
@@ -94,28 +98,12 @@ def _shrink(d: dict, tokens: dict, sections: set) -> dict:
             out[key] = tokens.get(value, value)
         elif not isinstance(key, str):
             out[key] = value
-        elif key in WIDTH and isinstance(value, int):
-            out[key] = 32
-        elif key in FFN and isinstance(value, int):
-            out[key] = 64
-        elif key in SMALL_FFN and isinstance(value, int):
-            out[key] = 32
-        elif key in DEPTH and isinstance(value, int):
-            out[key] = LAYERS
-        elif key in HEADS and isinstance(value, int):
-            out[key] = 2
+        elif key in FIXED and isinstance(value, int):
+            out[key] = FIXED[key]
         elif key == "num_key_value_heads" and isinstance(value, int):
             out[key] = 1 if value == 1 else 2
         elif key in ("head_dim", "index_head_dim") and isinstance(value, int):
             out[key] = 16 if value else 0
-        elif key in EXPERTS and isinstance(value, int):
-            out[key] = 4
-        elif key in TOP_K and isinstance(value, int):
-            out[key] = 2
-        elif key in CHANNELS and isinstance(value, int):
-            out[key] = 32
-        elif key in CODEBOOK and isinstance(value, int):
-            out[key] = 64
         elif key == "vocab_size" and isinstance(value, int):
             out[key] = VOCAB
         elif key == "image_size":
