@@ -104,13 +104,13 @@ class PipelineStep:
         inputs, labels, _ = sequence_shard(inputs, labels, setup)
         global_tokens = count_global_tokens([labels], setup)
         # float64 as a Python float would be; the loss is multiplied by it rounded to float32
-        scale = full(setup.grad_average_size, setup.device) / global_tokens * (
-            self.n_microbatches if self.scale_in_schedule else 1)
+        in_schedule = self.n_microbatches if self.scale_in_schedule else 1  # (it divides)
+        scale = full(setup.grad_average_size, setup.device) / global_tokens * in_schedule
         self.loss.scale = scale.to(torch.float32)
         sequences = setup.dp_size * inputs.shape[0]  # the global batch
         if self.loss.router is not None:  # coef * the mean aux over the global batch's sequences
-            self.loss.router_scale = self.loss.router.coef * setup.grad_average_size \
-                / sequences * (self.n_microbatches if self.scale_in_schedule else 1)
+            self.loss.router_scale = (self.loss.router.coef * setup.grad_average_size
+                                      / sequences * in_schedule)
         losses: list = []  # the scaled loss of each micro-batch, on the last stage
         self.aux_sums = []  # (and its router loss's aux sum)
         chunks = range(0, inputs.shape[0], self.batch)
