@@ -33,7 +33,38 @@ def reference(tmp_path_factory):
 
 
 @pytest.fixture(autouse=True)
-def _no_gpus(monkeypatch):
+def _no_gpus(request, monkeypatch):
     """Tests describe a CPU machine: config resolution sees no GPU (whatever this machine has)
-    unless a test passes its own probe (tests/config/test_gpu_defaults.py)."""
-    monkeypatch.setattr("automodel.launch.env.gpu_device_probe", lambda: 0)
+    unless a test passes its own probe (tests/config/test_gpu_defaults.py). Tests marked `gpu`
+    see the machine as it is."""
+    if request.node.get_closest_marker("gpu") is None:
+        monkeypatch.setattr("automodel.launch.env.gpu_device_probe", lambda: 0)
+
+
+def gpus_here() -> tuple[int, str]:
+    """(NVIDIA GPUs a test marked `gpu` can use here, why none when 0), read without starting
+    CUDA in this process: the device files and CUDA_VISIBLE_DEVICES, and torch's build."""
+    import torch
+
+    from automodel.launch.env import nvidia_device_files, visible_gpu_count
+
+    if torch.version.cuda is None:
+        return 0, f"torch {torch.__version__} is not a CUDA build"
+    n = visible_gpu_count(os.environ, nvidia_device_files)
+    return n, "" if n else "no NVIDIA GPU is visible (/dev/nvidia<N>, CUDA_VISIBLE_DEVICES)"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` (`gpu(n)`: n GPUs) run where the GPUs are; elsewhere they are skipped,
+    and the summary (-ra) says why."""
+    marked = [(item, item.get_closest_marker("gpu")) for item in items]
+    marked = [(item, m) for item, m in marked if m is not None]
+    if not marked:
+        return
+    have, why = gpus_here()
+    for item, marker in marked:
+        need = marker.args[0] if marker.args else 1
+        if have < need:
+            item.add_marker(pytest.mark.skip(
+                reason=f"needs {need} NVIDIA GPU(s) and a CUDA build of torch: "
+                       + (why or f"{have} visible")))

@@ -3,12 +3,12 @@
 import json
 import os
 import pickle
-import socket
 import sys
 
 import torch.multiprocessing as mp
 
 from automodel.api import run
+from automodel.launch import forkserver
 from automodel.tracking.metrics import read_metrics
 
 FP32 = ("parallelism.mp_policy={_target_:torch.distributed.fsdp.MixedPrecisionPolicy,"
@@ -17,11 +17,22 @@ FP32 = ("parallelism.mp_policy={_target_:torch.distributed.fsdp.MixedPrecisionPo
 TRAINER = ["trainer.max_steps=5", "trainer.log_every=1", "trainer.global_batch_size=8",
            "trainer.seq_len=32", "optim.warmup_steps=0", "optim.lr=0.01"]
 BASE = ["data=corpus", "data.num_documents=400"] + TRAINER
+# Every job the tests start runs its ranks on the CPU under gloo, also on a machine with GPUs,
+# where the default backend (null) means nccl and one rank per GPU on cuda:LOCAL_RANK: a 1-GPU
+# machine has no device for rank 1, and the stored numbers (tests/golden) are CPU numbers.
+# Tests about GPUs are marked `gpu` (tests/test_gpu.py); tests/test_cpu_pin.py checks the pin.
+ON_CPU = ["distributed.backend=gloo"]
+
+
+def job_overrides(overrides, base=BASE):
+    """What ``train`` runs: ``base``, the CPU pin, then the test's own overrides (so a test
+    may still name another backend)."""
+    return list(base) + ON_CPU + list(overrides)
 
 
 def train(overrides, output_dir, base=BASE):
     """Run a job as the CLI would (spawning its ranks); check metrics.jsonl; return records."""
-    records = run(base + list(overrides), output_dir=str(output_dir))
+    records = run(job_overrides(overrides, base), output_dir=str(output_dir))
     on_disk = read_metrics(os.path.join(output_dir, "metrics.jsonl"))
     # (a resumed run appends to the same file)
     # (compared as JSON text: a skipped step's NaN loss is not equal to itself)
@@ -30,20 +41,26 @@ def train(overrides, output_dir, base=BASE):
     return records
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def rendezvous_store():
+    """A TCP store served by this process on a port the OS picks (port 0) and keeps bound."""
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 
 
-def _worker(rank, world, port, fn, args, result_dir, path, timeout=None):
+def _worker(rank, world, port, fn, args, result_dir, path, timeout=None, environ=None):
     sys.path[:] = path
+    if environ is not None:
+        forkserver.adopt_environment(environ)
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world))
-    dist.init_process_group("gloo", rank=rank, world_size=world,
-                            **({"timeout": timeout} if timeout is not None else {}))
+    # a client of the parent's store, as env:// would make it (its timeout, its key prefix)
+    timeout = timeout if timeout is not None else dist.constants.default_pg_timeout
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=dist.PrefixStore("default_pg", store), rank=rank,
+                            world_size=world, timeout=timeout)
     try:
         result = fn(rank, world, *args)
         with open(os.path.join(result_dir, f"{rank}.pkl"), "wb") as f:
@@ -57,9 +74,16 @@ def _worker(rank, world, port, fn, args, result_dir, path, timeout=None):
 
 def run_on_ranks(fn, world, *args, tmp_path, timeout=None):
     """Run top-level ``fn(rank, world, *args)`` on ``world`` gloo ranks; return per-rank results.
-    ``timeout`` (a timedelta): the process group's, else torch's default."""
-    mp.spawn(_worker, args=(world, _free_port(), fn, args, str(tmp_path), list(sys.path),
-                            timeout), nprocs=world, join=True)
+    ``timeout`` (a timedelta): the process group's, else torch's default.
+
+    The ranks meet at a store this process serves, on a port the OS picks when the store binds
+    it and that stays bound until the ranks are done: no other launch can take it in between
+    (as it could a port found free, released, and bound again later by rank 0)."""
+    store = rendezvous_store()
+    forkserver.context()  # ranks forked from the pre-imported server the launcher uses
+    mp.start_processes(_worker, args=(world, store.port, fn, args, str(tmp_path),
+                                      list(sys.path), timeout, forkserver.launcher_environment()),
+                       nprocs=world, join=True, start_method="forkserver")
     out = []
     for rank in range(world):
         with open(tmp_path / f"{rank}.pkl", "rb") as f:

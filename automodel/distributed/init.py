@@ -27,6 +27,12 @@ class DistInfo:
     def is_main(self) -> bool:
         return self.rank == 0
 
+    def describe(self) -> str:
+        """Backend, device and, with several ranks, where they met (for the start-up log)."""
+        met = (f", rendezvous at {os.environ.get('MASTER_ADDR')}:{os.environ['MASTER_PORT']}"
+               if self.world_size > 1 and "MASTER_PORT" in os.environ else "")
+        return f"backend {self.backend}, device {self.device.type}{met}"
+
     def within(self, group) -> "DistInfo":
         """This rank's facts within ``group`` (a model's ranks): its rank there and their
         number, so that the model's first rank is the one that writes files."""
@@ -36,19 +42,27 @@ class DistInfo:
                                    world_size=dist.get_world_size(group))
 
 
+def backend_and_device(backend: str | None, local_rank: int) -> tuple[str, torch.device]:
+    """The rank's backend and device: null means nccl where CUDA is available, else gloo;
+    ranks run on ``cuda:LOCAL_RANK`` under nccl only, on the CPU under any other backend
+    (so ``distributed.backend=gloo`` keeps a job on the CPU on a machine with GPUs)."""
+    use_cuda = torch.cuda.is_available()
+    backend = backend or ("nccl" if use_cuda else "gloo")
+    if use_cuda and backend == "nccl":
+        return backend, torch.device("cuda", local_rank)
+    return backend, torch.device("cpu")
+
+
 def init_distributed(backend: str | None, timeout_minutes: int, need_group: bool,
                      startup_timeout_minutes: int = 30) -> DistInfo:
     """Start the default process group from the launcher's env (RANK, WORLD_SIZE, ...).
 
     A single process that still needs a group (e.g. FSDP2 on one rank) gets an in-memory one.
     """
-    use_cuda = torch.cuda.is_available()
-    backend = backend or ("nccl" if use_cuda else "gloo")
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    device = (torch.device("cuda", local_rank) if (use_cuda and backend == "nccl")
-              else torch.device("cpu"))
+    backend, device = backend_and_device(backend, local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     timeout = datetime.timedelta(minutes=timeout_minutes)

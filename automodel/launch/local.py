@@ -2,37 +2,39 @@
 
 Inside torchrun (or another torch elastic agent) this process already is a rank. Otherwise,
 with more than one process, start ``nproc_per_node`` local ranks through torch's elastic
-launch API, each handed the same resolved ``TrainConfig`` and a fresh rendezvous port; if one
-rank fails, the agent stops the others and the error names the failing rank.
+launch API (forked from a server that imported torch, transformers and automodel once:
+launch/forkserver.py), each handed the same resolved ``TrainConfig`` and a fresh rendezvous
+port; if one rank fails, the agent stops the others and the error names the failing rank.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import multiprocessing
 import os
 import signal
-import socket
 import sys
 import threading
+import uuid
 
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from automodel.config.resolve import TrainConfig
-from automodel.launch import failure
+from automodel.launch import failure, forkserver
 from automodel.launch.errors import LaunchError, TrainingStopped
 from automodel.launch.signals import STOP_SIGNALS
 
 log = logging.getLogger(__name__)
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# The rendezvous endpoint: port 0, as ``torchrun --standalone`` does. The elastic agent (this
+# process) then binds its stores on ports the OS picks and keeps them bound; the ranks learn the
+# port from the agent (MASTER_PORT, as clients of the agent's store). No port is chosen free,
+# released and bound again later, so hundreds of launches in one process cannot race for one.
+RENDEZVOUS_HOST = "127.0.0.1"  # local ranks only: they meet over loopback (MASTER_ADDR)
+RENDEZVOUS_ENDPOINT = f"{RENDEZVOUS_HOST}:0"
 
 
 @record
@@ -86,19 +88,23 @@ def _run_here(cfg: TrainConfig, external: bool):
 
 def run_on_local_ranks(entry, nproc: int, *args, name: str = "automodel",
                        stop_grace_seconds: int = 30) -> dict:
-    """Run ``entry(*args)`` on ``nproc`` spawned local ranks (torch's elastic launch, a fresh
-    rendezvous port, no restarts). Returns {rank: result}; raises ChildFailedError, or
-    SignalException when this process is told to stop (its ranks get SIGTERM and
-    ``stop_grace_seconds`` to end)."""
-    port = free_port()
-    log.info("starting %d local ranks, rendezvous at 127.0.0.1:%d", nproc, port)
+    """Run ``entry(*args)`` on ``nproc`` local ranks (forked from the fork server, under the
+    environment of now; torch's elastic launch, a fresh rendezvous port that the OS picks, no
+    restarts). Returns {rank: result}; raises
+    ChildFailedError, or SignalException when this process is told to stop (its ranks get
+    SIGTERM and ``stop_grace_seconds`` to end)."""
+    forkserver.context()  # (its preload list, set before the server first starts)
+    run_id = f"{name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    log.info("starting %d local ranks (rendezvous %s)", nproc, run_id)
     config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"{name}-{os.getpid()}-{port}",
-        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{port}", max_restarts=0,
-        monitor_interval=0.1, start_method="spawn", shutdown_timeout=stop_grace_seconds)
+        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=run_id,
+        rdzv_backend="c10d", rdzv_endpoint=RENDEZVOUS_ENDPOINT, local_addr=RENDEZVOUS_HOST,
+        max_restarts=0,
+        monitor_interval=0.1, start_method="forkserver", shutdown_timeout=stop_grace_seconds)
     with _user_signals_stop() as received:
         try:
-            return elastic_launch(config, entry)(*args)
+            return elastic_launch(config, forkserver.run_with_launcher_environment)(
+                entry, forkserver.launcher_environment(), *args)
         except SignalException as err:
             err.sigval = received[0] if received else err.sigval
             raise
@@ -145,7 +151,7 @@ def launch(cfg: TrainConfig):
     os.environ.setdefault("AUTOMODEL_NUM_THREADS", os.environ["OMP_NUM_THREADS"])
     # the ranks' failure summaries come back through a queue, not a file (a full disk must
     # not silence them)
-    channel = multiprocessing.get_context("spawn").SimpleQueue()
+    channel = forkserver.context().SimpleQueue()
     try:
         results = run_on_local_ranks(_rank_entry, nproc, cfg, channel,
                                      stop_grace_seconds=cfg.distributed.stop_grace_seconds)

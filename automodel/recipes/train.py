@@ -199,11 +199,11 @@ def _train(cfg: TrainConfig, setup: DistributedSetup, output_dir: str) -> list[d
              "per schedule step" if pipeline is not None else
              f"{cfg.grad_accum_steps} micro-batch(es) per rank per step")
     log.info("automodel: %s on %d rank(s) (dp=%d, cp=%d, tp=%d, pp=%d), %s with %.2fM "
-             "parameters, %d steps of %d x %d tokens, %s; output in %s", cfg.strategy,
-             info.world_size, setup.dp_size, setup.size(MeshAxis.CP), setup.size(MeshAxis.TP),
-             setup.size(MeshAxis.PP),
+             "parameters, %d steps of %d x %d tokens, %s, %s; output in %s",
+             cfg.strategy, info.world_size, setup.dp_size, setup.size(MeshAxis.CP),
+             setup.size(MeshAxis.TP), setup.size(MeshAxis.PP),
              type(model).__name__, n_params / 1e6, t.max_steps, t.global_batch_size, t.seq_len,
-             micro, output_dir)
+             micro, info.describe(), output_dir)
     if n_frozen:
         log.info("model.freeze=%s: %.2fM of %.2fM parameters frozen (not in the optimizer)",
                  list(cfg.model.freeze), n_frozen / 1e6, n_params / 1e6)
@@ -221,7 +221,8 @@ def _train(cfg: TrainConfig, setup: DistributedSetup, output_dir: str) -> list[d
     steplog = StepLog(cfg, info, output_dir, start_step, last_step)
     saved_step, number, stopped_by = start_step, start_step, None
     stop = StopSignal().install()
-    profiler = StepProfiler(t.profile_steps, output_dir, info.rank, info.is_main)
+    profiler = StepProfiler(t.profile_steps, output_dir, info.rank, info.is_main,
+                            info.device.type)
     batches = Prefetcher(
         lambda step: plan.micro_batches(step, setup.dp_rank, setup.dp_size, t.local_batch_size),
         t.prefetch_steps, last_step, pin_memory=setup.device.type == "cuda")

@@ -55,8 +55,10 @@ def breakdown(events, steps: int) -> dict:
 
 
 class StepProfiler:
-    def __init__(self, steps, output_dir: str, rank: int, is_main: bool):
+    def __init__(self, steps, output_dir: str, rank: int, is_main: bool,
+                 device_type: str = "cpu"):
         self.first, self.last = (steps or (None, None))
+        self.device_type = device_type  # the rank's device: CUDA activity is traced on CUDA only
         self.dir = os.path.join(output_dir, "profile")
         self.rank, self.is_main = rank, is_main
         self.prof = None
@@ -67,7 +69,7 @@ class StepProfiler:
             return
         if number == self.first:
             activities = [torch.profiler.ProfilerActivity.CPU]
-            if torch.cuda.is_available():
+            if self.device_type == "cuda":
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
             self.prof = torch.profiler.profile(activities=activities)
             self.prof.__enter__()

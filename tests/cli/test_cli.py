@@ -10,16 +10,28 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.distributed.test_golden import assert_golden
+from tests.helpers import ON_CPU
+
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = str(ROOT / "train.py")
 QUICK = ["data=synthetic", "data.num_sequences=64", "trainer.max_steps=3", "trainer.log_every=1",
          "trainer.global_batch_size=8", "trainer.seq_len=16"]
 
 
+def cli_args(args) -> list:
+    """The command line ``run`` gives: ``args``, then the CPU pin (tests.helpers.ON_CPU: ranks
+    on the CPU under gloo, also on a machine with GPUs) unless ``args`` name a backend."""
+    args = list(args)
+    if any(a.startswith("distributed.backend=") for a in args):
+        return args
+    return args + ON_CPU
+
+
 def run(args, cwd, env_extra=None, timeout=300, cmd=None):
     env = dict(os.environ)
     env.update(env_extra or {})
-    return subprocess.run((cmd or [sys.executable, TRAIN]) + list(args), cwd=cwd, env=env,
+    return subprocess.run((cmd or [sys.executable, TRAIN]) + cli_args(args), cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -29,6 +41,11 @@ def no_torch_env(tmp_path):
     fake.mkdir(parents=True)
     (fake / "__init__.py").write_text("raise ImportError('torch must not be imported here')\n")
     return {"PYTHONPATH": f"{fake.parent}{os.pathsep}{ROOT}"}
+
+
+# A machine without a visible GPU, on any machine: CUDA sees none, nor does config resolution
+# (automodel.launch.env.visible_gpu_count reads the variable as CUDA does).
+NO_GPU = {"CUDA_VISIBLE_DEVICES": ""}
 
 
 def metrics_files(root: Path):
@@ -89,8 +106,8 @@ def test_bad_size_product_fails_before_any_process(tmp_path):
 
 @pytest.mark.fast
 def test_what_this_machine_cannot_run_is_refused_before_torch_is_imported(tmp_path):
-    # megatron-fsdp needs an NVIDIA GPU: the CPU machine says so without importing torch
-    out = run(["parallelism=megatron_fsdp"], tmp_path, no_torch_env(tmp_path))
+    # megatron-fsdp needs an NVIDIA GPU: a machine without one says so without importing torch
+    out = run(["parallelism=megatron_fsdp"], tmp_path, {**no_torch_env(tmp_path), **NO_GPU})
     assert out.returncode == 2 and "runs on NVIDIA GPUs only" in out.stderr
 
 
@@ -107,7 +124,8 @@ def test_local_launch_and_torchrun_agree_with_one_output_dir_each(tmp_path):
     (tmp_path / "local").mkdir()
     (tmp_path / "torchrun").mkdir()
     local = run(["parallelism=ddp"] + QUICK, tmp_path / "local")
-    torchrun = run(["--nproc_per_node", "2", TRAIN, "parallelism=ddp"] + QUICK,
+    # --standalone: a rendezvous port the OS picks (not a fixed one such as 29500)
+    torchrun = run(["--standalone", "--nproc_per_node", "2", TRAIN, "parallelism=ddp"] + QUICK,
                    tmp_path / "torchrun",
                    cmd=[sys.executable, "-m", "torch.distributed.run"])
     assert local.returncode == 0, local.stderr
@@ -124,12 +142,17 @@ def test_local_launch_and_torchrun_agree_with_one_output_dir_each(tmp_path):
     assert (local_metrics.parent / "train.log").read_text().count("step 3/3") == 1
 
 
-def test_readme_main_job_learns(tmp_path):
-    # The README's first command, minus the setup step (the test runs inside the venv).
-    out = run([], tmp_path, timeout=600)
+def test_readme_main_job_matches_its_golden_values_and_learns(tmp_path):
+    # The README's first command, minus the setup step (the test runs inside the venv), logging
+    # every step (logging changes no number): its first 5 steps are the stored default job's
+    # (tests/golden/default_job.json: the same job stopped at step 5), losses, gradient norms
+    # and learning rates; then it learns.
+    out = run(["trainer.log_every=1"], tmp_path, timeout=600)
     assert out.returncode == 0, out.stderr
     [metrics] = metrics_files(tmp_path)
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 301))
+    assert_golden("default_job", records[:5])
     assert records[0]["loss"] > 5.0 and records[-1]["loss"] < 1.0
     for key in ("step", "loss", "grad_norm", "lr", "tokens_per_second", "peak_memory_bytes"):
         assert key in records[-1]

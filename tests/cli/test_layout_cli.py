@@ -7,6 +7,7 @@ import pytest
 from tests.cli.test_cli import run
 
 
+@pytest.mark.fast  # one subprocess, no rank (the model is built on the meta device)
 @pytest.mark.parametrize("args,expected", [
     (["mesh.tp_size=4"], "must divide the model's num_key_value_heads=2"),
     (["mesh.tp_size=8"], "must divide the model's num_attention_heads=4"),

@@ -2,6 +2,7 @@
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -74,10 +75,38 @@ def test_local_files_with_a_local_tokenizer_train(tmp_path):
     seqs = token_sequences("files", FilesDataConfig(paths=[str(tmp_path / "docs.jsonl")],
                                                     tokenizer_path=str(tmp_path / "tok")), 16, 256)
     assert seqs.max() < len(tokenizer) and (seqs == tokenizer.eos_token_id).any()
-    records = train(["parallelism=none", "data=files", f"data.paths=[{tmp_path}/docs.jsonl]",
-                     f"data.tokenizer_path={tmp_path}/tok", "trainer.max_steps=8",
-                     "model.config.vocab_size=128"], tmp_path / "run", base=TRAINER)
+    overrides = ["parallelism=none", "data=files", f"data.paths=[{tmp_path}/docs.jsonl]",
+                 f"data.tokenizer_path={tmp_path}/tok", "trainer.max_steps=8",
+                 "model.config.vocab_size=128"]
+    records = train(overrides, tmp_path / "run", base=TRAINER)
+    # The run trained on these tokens: its first step's loss and gradient norm are those of
+    # the initial model on the first global batch of the tokenized files, in plain torch
+    loss, grad_norm = _first_step_in_plain_torch(TRAINER + overrides, tmp_path / "plain")
+    assert records[0]["step"] == 1
+    np.testing.assert_allclose(records[0]["loss"], loss, rtol=1e-5)
+    np.testing.assert_allclose(records[0]["grad_norm"], grad_norm, rtol=1e-4)
     assert records[-1]["loss"] < records[0]["loss"] - 0.5
+
+
+def _first_step_in_plain_torch(overrides, output_dir):
+    """(loss, gradient norm) of step 1 of the job ``overrides``, computed here in one process
+    from the job's data rows and initial model: mean token cross-entropy over the first
+    global batch, and the norm of its gradient."""
+    from automodel.api import load_config
+    from automodel.data.sources import training_data
+    from automodel.models.builder import build_model
+
+    cfg = load_config(overrides, str(output_dir))
+    t = cfg.trainer
+    rows, _ = training_data(cfg.data_source, cfg.data, t.seq_len, cfg.model)
+    [(inputs, labels)] = BatchPlan(rows, t.global_batch_size, t.seed).micro_batches(
+        0, 0, 1, t.global_batch_size)
+    model = build_model(cfg.model, t.seed)
+    logits = model(input_ids=inputs, use_cache=False).logits
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+    loss.backward()
+    norms = [torch.linalg.vector_norm(p.grad) for p in model.parameters() if p.grad is not None]
+    return loss.item(), torch.linalg.vector_norm(torch.stack(norms)).item()
 
 
 @pytest.mark.fast

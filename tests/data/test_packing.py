@@ -81,6 +81,7 @@ def test_packed_rows_in_parallel_match_one_rank(layout, reference, tmp_path):
     assert_matches(train(layout + PACKED, tmp_path), reference(*PACKED))
 
 
+@pytest.mark.fast
 def test_packing_refusals(tmp_path):
     from automodel.api import load_config
     from automodel.config.build import ConfigError

@@ -13,17 +13,22 @@ import time
 import pytest
 import torch
 
-from automodel.api import run
+from automodel.api import run as api_run
 from automodel.checkpoint.errors import CheckpointError
 from automodel.checkpoint.hf_export import load_full_model_state
 from automodel.checkpoint.paths import checkpoint_path, complete_checkpoints
 from automodel.config.build import ConfigError
 from automodel.launch.errors import LaunchError
 from automodel.tracking.metrics import read_metrics
-from tests.helpers import BASE, train
+from tests.helpers import BASE, ON_CPU, train
 
 RUN = ["trainer.max_steps=6", "checkpoint.every_steps=2"]
 DDP = ["parallelism=ddp"]
+
+
+def run(overrides, output_dir):
+    """``automodel.api.run`` with the ranks pinned to the CPU (tests.helpers.ON_CPU)."""
+    return api_run(ON_CPU + list(overrides), output_dir)
 
 
 def _digest(root) -> dict:
@@ -44,6 +49,7 @@ def good(tmp_path_factory):
 
 
 # ---------------------------------------------------------------- bad checkpoints
+@pytest.mark.fast
 def test_missing_checkpoint_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="checkpoint.resume=.*nowhere.*no such checkpoint"):
         run(BASE + DDP + [f"checkpoint.resume={tmp_path / 'nowhere'}"], str(tmp_path / "o"))

@@ -11,6 +11,7 @@ import pytest
 
 from automodel.checkpoint.paths import checkpoint_path
 from tests.distributed.test_checkpoint_layouts import assert_continues
+from tests.distributed.test_golden import assert_golden
 from tests.distributed.test_parity import assert_matches
 from tests.helpers import FP32, train
 
@@ -42,6 +43,8 @@ def test_context_parallel_matches_single_process(name, reference, tmp_path):
     layout, model = LAYOUTS[name]
     records = train(FSDP2 + layout + model, tmp_path)
     assert_matches(records, reference(*model))
+    if name == "cp2_ring":  # also a golden run (tests/golden/, same name)
+        assert_golden("cp2_ring", records, FSDP2 + layout + model)
 
 
 def test_context_parallel_with_checkpointing_and_compile(reference, tmp_path):

@@ -2,6 +2,7 @@
 
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -41,6 +42,12 @@ def _mesh(world):
     return build_mesh("cpu", "gloo", 1, pp=1, dp_replicate=1, dp_shard=world, cp=1, tp=1)
 
 
+def _branchy_batch(rank):
+    """Rank ``rank``'s micro-batch: each rank its own tokens, as data parallelism gives."""
+    gen = torch.Generator().manual_seed(100 + rank)
+    return [tuple(torch.randint(0, 16, (2, 5), generator=gen) for _ in range(2))]
+
+
 def _train_branchy(rank, world, find_unused):
     mesh = _mesh(world)
     opts = DDPConfig(find_unused_parameters=find_unused)
@@ -48,23 +55,47 @@ def _train_branchy(rank, world, find_unused):
     setup = DistributedSetup("ddp", opts,
                              DistInfo("gloo", torch.device("cpu"), rank, world, rank), mesh)
     optim = torch.optim.SGD(model.parameters(), lr=0.1)
-    batch = [(torch.randint(0, 16, (2, 5)), torch.randint(0, 16, (2, 5)))]
+    batch = _branchy_batch(rank)
     try:
-        losses = []
+        steps = []
         for _ in range(3):
-            losses.append(train_step(model, setup, batch, None)[0])
+            stats = train_step(model, setup, batch, None)
+            steps.append((float(stats.loss), float(stats.grad_norm)))
             optim.step()
             optim.zero_grad()
-        return ("ok", losses)
+        return ("ok", steps)
     except RuntimeError as err:
         return ("error", str(err))
 
 
+def _branchy_one_process(world):
+    """The same 3 SGD steps in one process, in plain torch: the mean token cross-entropy over
+    every rank's tokens, and the norm of the gradients the loss reaches."""
+    model = BranchyLM()
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    inputs, labels = (torch.cat(t) for t in zip(*[_branchy_batch(r)[0] for r in range(world)]))
+    steps = []
+    for _ in range(3):
+        loss = nn.functional.cross_entropy(model(inputs).logits.flatten(0, 1), labels.flatten())
+        loss.backward()
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        steps.append((loss.item(), torch.linalg.vector_norm(
+            torch.stack([torch.linalg.vector_norm(g) for g in grads])).item()))
+        optim.step()
+        optim.zero_grad()
+    return steps
+
+
 def test_find_unused_parameters_lets_an_unused_branch_train(tmp_path):
+    # DDP with an unused branch on 2 ranks: the losses and gradient norms of one process
+    # training on both ranks' tokens (losses moving: the steps really updated the model)
     results = run_on_ranks(_train_branchy, 2, True, tmp_path=tmp_path)
     assert all(kind == "ok" for kind, _ in results)
-    losses = results[0][1]
-    assert losses[2] < losses[0]
+    assert results[0][1] == results[1][1]  # (every rank reports the global values)
+    ref = _branchy_one_process(2)
+    np.testing.assert_allclose([s[0] for s in results[0][1]], [s[0] for s in ref], rtol=1e-5)
+    np.testing.assert_allclose([s[1] for s in results[0][1]], [s[1] for s in ref], rtol=1e-5)
+    assert ref[0][0] - ref[-1][0] > 0.05, ref
 
 
 def test_without_find_unused_parameters_the_error_names_the_option(tmp_path):

@@ -92,6 +92,7 @@ def test_export_command_and_pretrained_path(tmp_path):
     np.testing.assert_allclose(records[0]["grad_norm"], grad_norm, rtol=1e-4)
 
 
+@pytest.mark.fast
 def test_export_of_a_damaged_checkpoint_fails_clearly(tmp_path):
     done = subprocess.run([sys.executable, "-m", "automodel.checkpoint.hf_export",
                            str(tmp_path / "none"), str(tmp_path / "out")],

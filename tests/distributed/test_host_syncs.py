@@ -31,7 +31,7 @@ import traceback
 import pytest
 import torch
 
-from tests.helpers import BASE, FP32, run_on_ranks
+from tests.helpers import BASE, FP32, ON_CPU, run_on_ranks
 
 READS = ("item", "tolist", "numpy", "__array__", "__float__", "__int__", "__index__", "__bool__",
          "__complex__")
@@ -124,7 +124,7 @@ def _run_counted(overrides, output_dir):
     from automodel.distributed.init import init_distributed
     from automodel.recipes.train import train
 
-    cfg = load_config(BASE + [f"trainer.max_steps={STEPS}", "trainer.log_every=1"]
+    cfg = load_config(BASE + ON_CPU + [f"trainer.max_steps={STEPS}", "trainer.log_every=1"]
                       + list(overrides), str(output_dir))
     info = init_distributed(cfg.distributed.backend, cfg.distributed.timeout_minutes,
                             need_group=cfg.strategy != "none")

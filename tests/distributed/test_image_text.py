@@ -14,6 +14,7 @@ import torch
 
 from automodel.checkpoint.hf_export import load_full_model_state
 from automodel.checkpoint.paths import checkpoint_path
+from tests.distributed.test_golden import assert_golden
 from tests.distributed.test_parity import assert_matches
 from tests.helpers import FP32, train
 
@@ -23,9 +24,12 @@ FSDP2 = ["parallelism=fsdp2", FP32, "mesh.dp_size=2"]
 
 @pytest.mark.parametrize("policy", ["root", "per_layer", "replicate"])
 def test_frozen_tower_matches_single_process(policy, reference, tmp_path):
-    records = train(FSDP2 + VLM + [f"parallelism.multimodal.frozen_sharding={policy}",
-                                   "trainer.local_batch_size=2"], tmp_path)
+    overrides = FSDP2 + VLM + [f"parallelism.multimodal.frozen_sharding={policy}",
+                               "trainer.local_batch_size=2"]
+    records = train(overrides, tmp_path)
     assert_matches(records, reference(*VLM))
+    if policy == "root":  # also a golden run (tests/golden/image_text_dp2.json)
+        assert_golden("image_text_dp2", records, overrides)
 
 
 @pytest.mark.parametrize("policy", ["root", "per_layer", "replicate"])
@@ -95,6 +99,7 @@ def test_pre_shard_hook_runs_before_wrapping(tmp_path):
     assert any(not torch.equal(initial[k], after[k]) for k in second)
 
 
+@pytest.mark.fast
 def test_bad_pre_shard_hook_is_refused_before_launch(tmp_path):
     from automodel.api import load_config
     from automodel.config.build import ConfigError

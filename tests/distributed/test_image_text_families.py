@@ -161,6 +161,7 @@ def test_every_covered_family_trains_like_one_process(tmp_path):
         assert dp2 == pytest.approx(one, rel=1e-5), family
 
 
+@pytest.mark.fast
 def test_other_families_are_refused_before_launch(tmp_path, caplog):
     from transformers.models.auto.modeling_auto import (
         MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES as FAMILIES,
@@ -190,6 +191,7 @@ def test_other_families_are_refused_before_launch(tmp_path, caplog):
             in caplog.text, family
 
 
+@pytest.mark.fast
 def test_freeze_groups_resolve_for_every_covered_family():
     from automodel.config.schema import ModelConfig
     from automodel.models.builder import build_meta_model

@@ -16,7 +16,7 @@ import torch
 from automodel.api import load_config
 from automodel.config.build import ConfigError
 from automodel.distributed.megatron_fsdp import fully_shard_kwargs, refusal
-from tests.cli.test_cli import run
+from tests.cli.test_cli import NO_GPU, run
 from tests.helpers import run_on_ranks
 
 EVERY_OPTION = [
@@ -102,7 +102,7 @@ def test_refusal_names_the_reason_and_the_fix():
 
 @pytest.mark.fast
 def test_cpu_run_is_refused_before_any_process_starts(tmp_path):
-    out = run(["parallelism=megatron_fsdp"], tmp_path)
+    out = run(["parallelism=megatron_fsdp"], tmp_path, NO_GPU)  # (on any machine)
     assert out.returncode == 2, out.stderr
     assert "runs on NVIDIA GPUs only" in out.stderr and "parallelism=fsdp2" in out.stderr
     assert not list(tmp_path.rglob("metrics.jsonl"))

@@ -25,11 +25,11 @@ import torch
 from automodel.checkpoint.paths import complete_checkpoints
 from automodel.tracking.metrics import read_metrics
 from tests.distributed.test_parity import assert_matches
-from tests.helpers import BASE, FP32, run_on_ranks
+from tests.helpers import BASE, FP32, ON_CPU, run_on_ranks
 
 MODEL_RANKS = [1, 2]
 EVAL = ["data.eval_fraction=0.1", "trainer.eval_every=2"]
-RUN = BASE + EVAL + [
+RUN = BASE + ON_CPU + EVAL + [
     "parallelism=fsdp2", FP32, "distributed.nproc_per_node=2", "checkpoint.every_steps=2",
     # a collective on the world group would hang: fail in a minute, not in half an hour
     "distributed.timeout_minutes=1", "distributed.startup_timeout_minutes=1"]

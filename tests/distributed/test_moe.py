@@ -21,6 +21,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from automodel.checkpoint.paths import checkpoint_path
 from automodel.recipes.router_loss import RouterLoss
 from tests.distributed.test_checkpoint_layouts import assert_continues
+from tests.distributed.test_golden import assert_golden
 from tests.distributed.test_parity import assert_close_to_fp32, assert_matches
 from tests.helpers import FP32, train
 
@@ -54,6 +55,8 @@ def test_moe_family_matches_single_process(family, layout, reference, tmp_path):
     records = train(FSDP2 + LAYOUTS[layout] + [model], tmp_path)
     assert "aux_loss" in records[0]  # the presets ask for the router loss
     assert_moe_matches(records, reference(model))
+    if (family, layout) == ("qwen3_moe_tiny", "ep2"):  # also a golden run, aux_loss included
+        assert_golden("moe_ep2", records, FSDP2 + LAYOUTS[layout] + [model])
 
 
 MORE = {  # qwen3_moe in the other layouts: (layout, model overrides the reference shares)

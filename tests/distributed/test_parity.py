@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from tests.distributed.test_golden import assert_golden
 from tests.helpers import FP32, train
 
 
@@ -76,7 +77,10 @@ def test_reference_accumulation_matches_one_big_batch(reference, tmp_path):
                                     "parallelism.patch_is_packed_sequence=true"]),
 ])
 def test_two_ranks_match_single_process(name, overrides, reference, tmp_path):
-    assert_matches(train(overrides, tmp_path), reference())
+    records = train(overrides, tmp_path)
+    assert_matches(records, reference())
+    if name == "ddp":  # also a golden run (tests/golden/ddp_dp2.json)
+        assert_golden("ddp_dp2", records, overrides)
 
 
 def test_hsdp_2x2_matches_single_process(reference, tmp_path):

@@ -25,6 +25,7 @@ from tests.helpers import BASE, FP32
 
 GOLDEN_DIR = Path(__file__).resolve().parent
 KEYS = ("step", "loss", "grad_norm", "lr")
+OPTIONAL_KEYS = ("aux_loss",)  # a MoE run's router loss
 
 # name -> (base overrides, overrides). Run through tests.helpers.train, i.e. as the CLI would.
 RUNS = {
@@ -38,6 +39,24 @@ RUNS = {
     # (d) `python train.py` as is (FSDP2 on 2 ranks, bf16 parameters), first 5 of its 300
     # steps: stop_at_step keeps the 300-step LR schedule that max_steps=5 would change.
     "default_job": ([], ["trainer.stop_at_step=5", "trainer.log_every=1"]),
+    # The runs below are checked where a parity test already runs exactly that job (the test
+    # named); tests/distributed/test_golden.py checks that the overrides there are these.
+    # (e) DDP on 2 ranks (test_parity.py, "ddp")
+    "ddp_dp2": (BASE, ["parallelism=ddp"]),
+    # (f) TP 2 with sequence parallelism (test_tensor_parallel.py, "tp2_sequence_parallel")
+    "tp2_sequence_parallel": (BASE, ["parallelism=fsdp2", FP32, "mesh.tp_size=2",
+                                     "parallelism.sequence_parallel=true"]),
+    # (g) context parallelism, a ring of 2, 2 micro-batches (test_context_parallel.py, "cp2_ring")
+    "cp2_ring": (BASE, ["parallelism=fsdp2", FP32, "mesh.cp_size=2",
+                        "trainer.local_batch_size=2"]),
+    # (h) a tiny MoE, experts over ep 2, router loss on (test_moe.py, "ep2" x qwen3_moe_tiny)
+    "moe_ep2": (BASE, ["parallelism=fsdp2", FP32, "mesh.dp_size=2", "mesh.ep_size=2",
+                       "model=qwen3_moe_tiny"]),
+    # (i) image-text: tiny LLaVA, frozen vision tower (test_image_text.py, frozen "root")
+    "image_text_dp2": (BASE, ["parallelism=fsdp2", FP32, "mesh.dp_size=2", "model=llava_tiny",
+                              "model.freeze=[vision]",
+                              "parallelism.multimodal.frozen_sharding=root",
+                              "trainer.local_batch_size=2"]),
 }
 
 
@@ -46,7 +65,19 @@ def golden_path(name: str) -> Path:
 
 
 def summarize(records: list[dict]) -> list[dict]:
-    return [{k: r[k] for k in KEYS} for r in records]
+    return [{k: r[k] for k in KEYS + OPTIONAL_KEYS if k in KEYS or k in r} for r in records]
+
+
+def environment() -> dict:
+    """What the numbers depend on besides the code: versions, and the CPU kernels torch picks."""
+    import platform
+
+    import torch
+    import transformers
+
+    return {"torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability()}
 
 
 def run_golden(name: str, output_dir) -> list[dict]:
@@ -63,13 +94,8 @@ def load_golden(name: str) -> dict:
 
 
 def write_golden(name: str, records: list[dict]) -> Path:
-    import torch
-    import transformers
-
     base, overrides = RUNS[name]
-    data = {"overrides": list(base) + list(overrides),
-            "generated_with": {"torch": torch.__version__,
-                               "transformers": transformers.__version__},
+    data = {"overrides": list(base) + list(overrides), "generated_with": environment(),
             "records": records}
     # one record per line: a regeneration shows in a diff as the steps that moved
     text = json.dumps(data, indent=1).split('"records": [')[0] + '"records": [\n' + \

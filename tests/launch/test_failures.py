@@ -64,7 +64,9 @@ def test_a_chained_error_in_a_rank_is_summarized(layout, monkeypatch, tmp_path):
 
 
 def test_torchrun_ranks_summarize_their_failure(tmp_path):
-    out = cli(["--nproc_per_node", "2", TRAIN, "parallelism=ddp"] + QUICK, tmp_path,
+    # --standalone: a rendezvous port the OS picks (not a fixed one such as 29500)
+    out = cli(["--standalone", "--nproc_per_node", "2", TRAIN, "parallelism=ddp"] + QUICK,
+              tmp_path,
               {"AUTOMODEL_FAULTS": "raise@2:1"},
               cmd=[sys.executable, "-m", "torch.distributed.run"])
     assert out.returncode != 0

@@ -18,7 +18,10 @@ import time
 import numpy as np
 import pytest
 
+from automodel.tracking.metrics import read_metrics
 from tests.cli.test_cli import QUICK, ROOT, metrics_files, run
+from tests.distributed.test_parity import assert_matches
+from tests.helpers import BASE
 
 
 @functools.lru_cache(maxsize=None)
@@ -68,33 +71,36 @@ def grad_norms(path):
     return losses(path, "grad_norm")
 
 
-def test_single_rank_job_with_wait(tmp_path):
-    out = run(["--wait", "--output-dir", str(tmp_path / "job"), "parallelism=none"] + QUICK,
+def test_single_rank_job_with_wait(tmp_path, reference):
+    # the parity tests' job (tests.helpers.BASE): the single-process reference's numbers
+    out = run(["--wait", "--output-dir", str(tmp_path / "job"), "parallelism=none"] + BASE,
               ROOT, cmd=LAUNCHER)
     assert out.returncode == 0, out.stderr
     assert re.search(r"submitted SLURM job \d+", out.stdout)
-    assert len(losses(tmp_path / "job" / "metrics.jsonl")) == 3
+    assert_matches(read_metrics(tmp_path / "job" / "metrics.jsonl"), reference())
 
 
-def test_two_task_fsdp2_sweep_matches_the_local_run(tmp_path):
+def test_two_task_fsdp2_sweep_matches_the_local_run(tmp_path, reference):
     (tmp_path / "local").mkdir()
-    local = run(["parallelism=fsdp2"] + QUICK, tmp_path / "local")
+    local = run(["parallelism=fsdp2"] + BASE, tmp_path / "local")
     assert local.returncode == 0, local.stderr
     [local_metrics] = metrics_files(tmp_path / "local")
     sweep = run(["-m", "hydra/launcher=slurm", "hydra.launcher.nodes=1",
                  "hydra.launcher.tasks_per_node=2", "parallelism=ddp,fsdp2",
-                 f"hydra.sweep.dir={tmp_path}/sweep"] + QUICK, tmp_path)
+                 f"hydra.sweep.dir={tmp_path}/sweep"] + BASE, tmp_path)
     assert sweep.returncode == 0, sweep.stderr
     for job in ("0", "1"):  # both jobs of the sweep, each 2 SLURM tasks = 2 ranks
         log = (tmp_path / "sweep" / job / "train.log").read_text()
-        assert "on 2 rank(s) (dp=2" in log and log.count("step 3/3") == 1  # rank 0 only
-    # job 1 is FSDP2 on 2 SLURM tasks: the same numbers as the local 2-rank FSDP2 run
-    assert len(losses(local_metrics)) == 3
+        assert "on 2 rank(s) (dp=2" in log and log.count("step 5/5") == 1  # rank 0 only
+    # job 0 is DDP (fp32) on 2 SLURM tasks: the single-process reference's numbers
+    assert_matches(read_metrics(tmp_path / "sweep" / "0" / "metrics.jsonl"), reference())
+    # job 1 is FSDP2 (bf16 parameters) on 2 SLURM tasks: the same numbers as the local 2-rank
+    # FSDP2 run
+    assert len(losses(local_metrics)) == 5
     np.testing.assert_allclose(losses(tmp_path / "sweep" / "1" / "metrics.jsonl"),
                                losses(local_metrics), rtol=1e-6)
     np.testing.assert_allclose(grad_norms(tmp_path / "sweep" / "1" / "metrics.jsonl"),
                                grad_norms(local_metrics), rtol=1e-5)
-    assert len(losses(tmp_path / "sweep" / "0" / "metrics.jsonl")) == 3
 
 
 def test_failing_job_is_reported_failed_with_its_log(tmp_path):

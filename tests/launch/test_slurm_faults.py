@@ -18,7 +18,7 @@ import time
 import pytest
 
 from tests.cli.test_cli import ROOT, run
-from tests.helpers import train
+from tests.helpers import ON_CPU, train
 from tests.launch.test_slurm import LAUNCHER, require_cluster
 
 
@@ -30,7 +30,7 @@ def _slurm_cluster():
 
 STEPS = 30
 JOB = ["parallelism=ddp", "data=synthetic", "data.num_sequences=64", f"trainer.max_steps={STEPS}",
-       "trainer.log_every=1", "trainer.global_batch_size=8", "trainer.seq_len=16"]
+       "trainer.log_every=1", "trainer.global_batch_size=8", "trainer.seq_len=16"] + ON_CPU
 
 
 def _records(path):

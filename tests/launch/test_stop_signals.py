@@ -17,10 +17,10 @@ import pytest
 
 from automodel.checkpoint.paths import complete_checkpoints
 from tests.cli.test_cli import ROOT, TRAIN
-from tests.helpers import BASE, train
+from tests.helpers import BASE, ON_CPU, train
 
 STEPS = 24
-RUN = BASE[:] + [f"trainer.max_steps={STEPS}", "trainer.log_every=1"]
+RUN = BASE[:] + ON_CPU + [f"trainer.max_steps={STEPS}", "trainer.log_every=1"]
 
 
 def _steps_done(out) -> int:

@@ -5,6 +5,7 @@ import pty
 import sys
 
 from tests.cli.test_cli import QUICK, TRAIN, run
+from tests.helpers import ON_CPU
 
 
 def test_non_terminal_output_gets_plain_log_lines(tmp_path):
@@ -19,7 +20,7 @@ def test_terminal_gets_a_live_bar_with_eta(tmp_path):
     pid, fd = pty.fork()
     if pid == 0:  # child: train.py on a pseudo-terminal
         os.chdir(tmp_path)
-        os.execv(sys.executable, [sys.executable, TRAIN, "parallelism=ddp"] + QUICK)
+        os.execv(sys.executable, [sys.executable, TRAIN, "parallelism=ddp"] + QUICK + ON_CPU)
     chunks = []
     while True:
         try:
