@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import sys
+from multiprocessing import forkserver
 
 # Imported by the server before it forks any rank (a rank then finds them in sys.modules).
 PRELOAD = ["automodel.launch.forkserver", "automodel.recipes.train", "transformers",
@@ -36,7 +38,24 @@ def context() -> multiprocessing.context.BaseContext:
     effect when the server starts: once per launching process)."""
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
+    _start_server()
     return ctx
+
+
+def _start_server() -> None:
+    """Start the server now (if not running), importing from this process's ``sys.path``.
+    (Python 3.11's server ignores the path it is handed, so it would import automodel from
+    wherever its own default path finds it, e.g. another checkout's editable install.)"""
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [p or os.getcwd() for p in sys.path] + ([saved] if saved else []))
+    try:
+        forkserver.ensure_running()
+    finally:
+        if saved is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = saved
 
 
 def launcher_environment() -> dict:

@@ -29,3 +29,46 @@ def test_forked_ranks_see_the_launchers_environment_of_now(monkeypatch):
         # forked from the server, which imported the heavy modules once
         assert r["preloaded"]
         assert r["parent"] != os.getpid()
+
+
+PROBE = '''
+import os, sys
+
+def report():
+    here = sys.modules["fs_probe"].LOADED_IN
+    return {"preloaded": here != os.getpid(), "automodel": sys.modules["automodel"].__file__}
+LOADED_IN = os.getpid()
+'''
+
+LAUNCHER = '''
+import json, sys
+sys.path.insert(0, sys.argv[1])  # only this process knows where fs_probe lives
+import automodel
+from automodel.launch import forkserver
+forkserver.PRELOAD.append("fs_probe")
+from automodel.launch.local import run_on_local_ranks
+import fs_probe
+if __name__ == "__main__":
+    out = run_on_local_ranks(fs_probe.report, 2)
+    print(json.dumps({"ranks": list(out.values()), "automodel": automodel.__file__}))
+'''
+
+
+def test_the_server_imports_from_the_launchers_path(tmp_path):
+    """The server preloads modules from the launching process's sys.path, so ranks run the
+    launcher's automodel (not another checkout found on the server's default path)."""
+    import json
+    import subprocess
+
+    lib = tmp_path / "lib"  # on no default path: not the script's folder, not the cwd
+    lib.mkdir()
+    (lib / "fs_probe.py").write_text(PROBE)
+    script = tmp_path / "launcher.py"
+    script.write_text(LAUNCHER)
+    done = subprocess.run([sys.executable, str(script), str(lib)], capture_output=True,
+                          text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    for r in out["ranks"]:
+        assert r["preloaded"], "the server did not find the module on the launcher's path"
+        assert r["automodel"] == out["automodel"]
