@@ -14,9 +14,11 @@ def compose(overrides: list[str] | None = None):
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
+    from automodel.config.cli_check import check_choice_overrides
     from automodel.config.store import register_schemas
 
     register_schemas()
+    check_choice_overrides(list(overrides or []))
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         return hydra_compose(config_name="train", overrides=list(overrides or []),
                              return_hydra_config=True)
@@ -36,11 +38,8 @@ def load_config(overrides: list[str] | None = None, output_dir: str = ".", env=N
 def run(overrides: list[str] | None = None, output_dir: str = "."):
     """Train as ``python train.py <overrides>`` would; returns rank 0's metric records."""
     from automodel.launch.local import launch
-    from automodel.launch.preflight import check_model_layout, prepare_data
-    from automodel.launch.support import check_runtime_support
+    from automodel.launch.preflight import preflight
 
     cfg = load_config(overrides, output_dir)
-    check_runtime_support(cfg)
-    check_model_layout(cfg)
-    prepare_data(cfg)
+    preflight(cfg)
     return launch(cfg)

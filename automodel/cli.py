@@ -5,10 +5,9 @@ from __future__ import annotations
 import os
 import sys
 
-from automodel.checkpoint.errors import CheckpointError
 from automodel.config.build import ConfigError
-from automodel.launch.env import detect_launch_env
-from automodel.launch.errors import LaunchError, TrainingStopped
+from automodel.config.launch_env import detect_launch_env
+from automodel.errors import CheckpointError, LaunchError, TrainingStopped
 
 
 def _fail(kind: str, message: str, code: int):
@@ -84,21 +83,23 @@ def _slurm_log() -> str:
     return f"log: {task_log_path()}"
 
 
+def resolve_hydra_job(cfg, hc, output_dir: str, multirun: bool, env=None):
+    """The ``TrainConfig`` of a job Hydra composed (``hc``: its ``hydra`` node); also used by
+    the SLURM launcher at submit time, before the job exists."""
+    from automodel.config.resolve import resolve
+
+    return resolve(cfg, env=env, output_dir=output_dir, choices=dict(hc.runtime.choices),
+                   overrides=list(hc.overrides.task),
+                   sweep_dir=str(hc.sweep.dir) if multirun else None)
+
+
 def _run_job(cfg, hc):
     from hydra.types import RunMode
 
-    from automodel.config.resolve import resolve
-    from automodel.launch.support import check_runtime_support
+    train_cfg = resolve_hydra_job(cfg, hc, hc.runtime.output_dir, hc.mode == RunMode.MULTIRUN)
+    from automodel.launch.preflight import preflight  # (its checks import torch)
 
-    sweep_dir = str(hc.sweep.dir) if hc.mode == RunMode.MULTIRUN else None
-    train_cfg = resolve(cfg, output_dir=hc.runtime.output_dir,
-                        choices=dict(hc.runtime.choices), overrides=list(hc.overrides.task),
-                        sweep_dir=sweep_dir)
-    check_runtime_support(train_cfg)
-    from automodel.launch.preflight import check_model_layout, prepare_data  # (imports torch)
-
-    check_model_layout(train_cfg)
-    prepare_data(train_cfg)
+    preflight(train_cfg)
     if train_cfg.launch.kind == "slurm":
         from automodel.launch.slurm import quiet_non_zero_rank
 

@@ -4,10 +4,14 @@
     for part in parts:
         pre_shard_hook -> fused head (the LM head joins the loss) -> tensor parallel
         -> context parallel -> expert parallel -> activation checkpointing -> compile
-        -> data parallel (DDP / FSDP2)
+        -> data parallel (the strategy's wrap: DDP / FSDP2 / ...)
     materialize (the model is built on the meta device: this rank's shards are allocated and
     filled only now; before DDP's wrapping, after FSDP2's; by megatron-fsdp itself, one module
     at a time, under init_fsdp_with_meta_device)
+
+The strategy (``setup.strategy``, an entry of ``config/strategies.py``) supplies the wrap and
+says what differs (``materialize_after_wrap``, its ``ac_blocks``, ...); nothing here compares
+strategy names, and an unknown strategy cannot get this far.
 
 Under a pipeline with sequence parallelism, each stage sends and receives its TP rank's
 local sequence shard (``distributed/pipelining/sequence_shards.py``).
@@ -28,12 +32,8 @@ from torch import nn
 from automodel.distributed.activation_checkpointing import apply_ac
 from automodel.distributed.compile import apply_compile
 from automodel.distributed.context_parallel import apply_cp
-from automodel.distributed.ddp import apply_ddp
 from automodel.distributed.expert_parallel import apply_ep
-from automodel.distributed.fsdp2 import apply_fsdp2, build_policy
 from automodel.distributed.fused_head import apply_fused_head, head_fqn
-from automodel.distributed.megatron_fsdp import checkpointed_mlps
-from automodel.distributed.megatron_meta_init import meta_init, prepare_meta_init
 from automodel.distributed.mesh import MeshAxis
 from automodel.distributed.setup import DistributedSetup
 from automodel.distributed.tensor_parallel import apply_tp, expand_plan
@@ -77,14 +77,15 @@ def parallelize(model: nn.Module, setup: DistributedSetup,
         parts, stage_ids, num_stages = [model], [0], 1
     result, head_loss = [], None
     custom_loss = setup.pipeline is not None and setup.pipeline.loss_fn is not None
+    strategy = setup.strategy
     for part, stage in zip(parts, stage_ids):
         if setup.pre_shard_hook is not None:
             setup.pre_shard_hook(part)
         blocks = block_fqns(part)
         # (Megatron-FSDP keeps the weights in its own buffers: the plain loss there)
-        loss = "plain" if setup.strategy == "megatron_fsdp" else setup.loss
+        loss = "plain" if strategy.plain_loss_reason is not None else setup.loss
         fused = apply_fused_head(part, loss, setup.loss_chunk_tokens, stage == num_stages - 1,
-                                 custom_loss, show_use=setup.strategy == "ddp")
+                                 custom_loss, show_use=strategy.reducer_walks_outputs)
         head_loss = fused or head_loss
         if tp_plan is not None:
             opts = setup.options
@@ -98,36 +99,35 @@ def parallelize(model: nn.Module, setup: DistributedSetup,
             apply_cp(part, setup.cp)
         experts = apply_ep(part, setup.mesh.moe["ep"]) if setup.ep_enabled else []
         ac_blocks = select_blocks(part, setup.activation_checkpointing_scope)
-        if setup.strategy == "megatron_fsdp":  # the reference checkpoints the MLP layers
-            ac_blocks = checkpointed_mlps(part, ac_blocks)
+        if strategy.ac_blocks is not None:  # (megatron_fsdp: the MLP layers, as its reference)
+            ac_blocks = strategy.hook("ac_blocks")(part, ac_blocks)
         apply_ac(part, ac_blocks, setup.activation_checkpointing, replace_module,
                  setup.activation_checkpointing_scope)
         if getattr(setup.options, "enable_compile", False):
             apply_compile(part, blocks)
-        if materialize is not None and setup.strategy != "fsdp2":
-            if meta_init(setup):  # megatron-fsdp allocates it, one module at a time
-                prepare_meta_init(part, materialize, setup.device)
-            else:
-                materialize([part])
+        if materialize is not None and not strategy.materialize_after_wrap:
+            _materialize_before_wrap(part, materialize, setup)
         result.append(apply_data_parallel(part, blocks, setup, experts))
-    if materialize is not None and setup.strategy == "fsdp2":
+    if materialize is not None and strategy.materialize_after_wrap:
         materialize(result)  # every part at once: one pass over the weights
     return ModelParts(result, stage_ids, num_stages, tied, head_loss)
 
 
+def _materialize_before_wrap(part: nn.Module, materialize: Callable[[list], None],
+                             setup: DistributedSetup) -> None:
+    """Allocate and fill a meta part that the wrap takes whole (DDP, none), or as the
+    strategy's ``materialize`` hook does it (megatron-fsdp may allocate it itself)."""
+    if setup.strategy.materialize is not None:
+        setup.strategy.hook("materialize")(part, materialize, setup)
+    else:
+        materialize([part])
+
+
 def apply_data_parallel(part: nn.Module, blocks: list[str], setup: DistributedSetup,
                         experts: list) -> nn.Module:
-    if setup.strategy == "ddp":
-        return apply_ddp(part, setup.mesh[MeshAxis.DP], setup.options, setup.device)
-    if setup.strategy == "fsdp2":
-        moe = None
-        if experts:  # the experts' own FSDP2 mesh: sharded over ep_shard, or replicated
-            dims = "ep_shard" if setup.options.moe.shard_experts else ("ep_shard", "ep_unit")
-            moe = (experts, setup.mesh.moe[dims])
-        apply_fsdp2(part, blocks, setup.mesh.fsdp_mesh(), setup.options,
-                    build_policy(setup.mp_policy, setup.device),
-                    build_policy(setup.offload_policy, setup.device), setup.pp_enabled, moe)
+    """The strategy's data-parallel wrap of one part (DDP, FSDP2, ...). A strategy without a
+    wrap (one process; megatron_fsdp, which wraps the model with its optimizer in
+    ``recipes/components.py``) leaves the part as it is."""
+    if setup.strategy.wrap is None:
         return part
-    # none; megatron_fsdp wraps the model together with its optimizer, in the runner
-    # (distributed/megatron_fsdp.py)
-    return part
+    return setup.strategy.hook("wrap")(part, blocks, setup, experts)

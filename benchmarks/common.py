@@ -35,18 +35,16 @@ def finish(ok: bool, baseline: str, rtol: float, args, rows: list) -> None:
 
 
 def run_ranks(overrides: list, entry, *args, name: str) -> list:
-    """Resolve and check a job as ``train.py`` would, run ``entry(cfg, *args)`` on its local
-    ranks, and return their results in rank order."""
+    """Resolve and check a job as ``train.py`` would (its whole preflight), run
+    ``entry(cfg, *args)`` on its local ranks, and return their results in rank order."""
     import tempfile
 
     from automodel.api import load_config
     from automodel.launch.local import run_on_local_ranks
-    from automodel.launch.preflight import check_model_layout
-    from automodel.launch.support import check_runtime_support
+    from automodel.launch.preflight import preflight
 
     cfg = load_config(overrides, output_dir=tempfile.mkdtemp(prefix=f"{name}-"))
-    check_runtime_support(cfg)
-    check_model_layout(cfg)
+    preflight(cfg)
     results = run_on_local_ranks(entry, cfg.distributed.nproc_per_node, cfg, *args, name=name)
     return [results[r] for r in sorted(results)]
 

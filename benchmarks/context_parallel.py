@@ -100,10 +100,11 @@ def rank_entry(cfg, sdpa: str) -> dict:
 
     import torch
 
+    from automodel.recipes import loop
     from automodel.recipes import train as runner
 
     steps: list[dict] = []
-    inner = runner.train_step
+    inner = loop.train_step
 
     def measured_step(*args, **kwargs):
         gc.collect()
@@ -115,7 +116,7 @@ def rank_entry(cfg, sdpa: str) -> dict:
                       "rss_before": rss, "hwm": _status("VmHWM")})
         return stats
 
-    runner.train_step = measured_step
+    loop.train_step = measured_step
     ctx = contextlib.nullcontext()
     if sdpa == "math":
         from torch.nn.attention import SDPBackend, sdpa_kernel

@@ -113,6 +113,7 @@ def rank_entry(cfg) -> dict:
 
     from automodel.distributed import expert_parallel as epm
     from automodel.models.experts import expert_modules
+    from automodel.recipes import components, loop
     from automodel.recipes import train as runner
 
     params: dict = {}
@@ -144,7 +145,7 @@ def rank_entry(cfg) -> dict:
             gathered[name] = max(gathered.get(name, 0), size)
         return hook
 
-    parallelize = runner.parallelize
+    parallelize = components.parallelize
 
     def parallelize_and_measure(*args, **kwargs):
         parts = parallelize(*args, **kwargs)
@@ -160,9 +161,9 @@ def rank_entry(cfg) -> dict:
         params.update(experts_bytes=experts, dense_bytes=dense)
         return parts
 
-    runner.parallelize = parallelize_and_measure
+    components.parallelize = parallelize_and_measure
     steps: list[dict] = []
-    inner = runner.train_step
+    inner = loop.train_step
 
     def measured_step(*args, **kwargs):
         gc.collect()
@@ -177,7 +178,7 @@ def rank_entry(cfg) -> dict:
                       "a2a_calls": a2a["calls"]})
         return stats
 
-    runner.train_step = measured_step
+    loop.train_step = measured_step
     records = runner.run_rank(cfg)
     return {"records": records, "steps": steps, "threads": torch.get_num_threads(), **params,
             "gathered_bytes_per_layer": max(gathered.values(), default=0),

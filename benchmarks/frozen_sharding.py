@@ -118,6 +118,7 @@ def rank_entry(cfg) -> dict:
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
     from automodel.models.parts import group_of
+    from automodel.recipes import components, loop
     from automodel.recipes import train as runner
 
     info: dict = {}
@@ -146,7 +147,7 @@ def rank_entry(cfg) -> dict:
 
     FSDPParamGroup.unshard = counted_unshard
     FSDPParamGroup.wait_for_unshard = measured_wait
-    parallelize = runner.parallelize
+    parallelize = components.parallelize
 
     def parallelize_and_measure(*args, **kwargs):
         parts = parallelize(*args, **kwargs)
@@ -178,9 +179,9 @@ def rank_entry(cfg) -> dict:
     def forward_done(module, args, output):
         step["forward_hwm"] = _status("VmHWM")
 
-    runner.parallelize = parallelize_and_measure
+    components.parallelize = parallelize_and_measure
     steps: list[dict] = []
-    inner = runner.train_step
+    inner = loop.train_step
 
     def measured_step(*args, **kwargs):
         gc.collect()
@@ -196,7 +197,7 @@ def rank_entry(cfg) -> dict:
                       "unsharded_max_bytes": step["unsharded_max"]})
         return stats
 
-    runner.train_step = measured_step
+    loop.train_step = measured_step
     records = runner.run_rank(cfg)
     return {"records": records, "steps": steps, "threads": torch.get_num_threads(), **info}
 

@@ -35,17 +35,18 @@ def rank_entry(cfg, eager: bool):
     import torch.distributed.fsdp  # noqa: F401
     from transformers.models.llama import modeling_llama  # noqa: F401
 
+    from automodel.recipes import components
     from automodel.recipes import train as runner
 
     if eager:  # before: every rank builds (loads) the whole model, then shards it
-        def whole_model_everywhere(cfg, info):
+        def whole_model_everywhere(cfg, info, group=None):
             from automodel.models.builder import build_model
 
             return build_model(cfg.model, cfg.trainer.seed).to(info.device), None
 
-        runner._initial_model = whole_model_everywhere
+        components.initial_model = whole_model_everywhere
     loaded = {}
-    parallelize = runner.parallelize
+    parallelize = components.parallelize
 
     def parallelize_and_measure(*args, **kwargs):  # the model is loaded and sharded after it
         parts = parallelize(*args, **kwargs)
@@ -53,7 +54,7 @@ def rank_entry(cfg, eager: bool):
         loaded["anon"] = _status("RssAnon") - anon
         return parts
 
-    runner.parallelize = parallelize_and_measure
+    components.parallelize = parallelize_and_measure
     _reset_peak()
     start, anon = _status("VmRSS"), _status("RssAnon")
     runner.run_rank(cfg)

@@ -35,9 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from automodel.api import run
-    from automodel.checkpoint.errors import CheckpointError
     from automodel.config.build import ConfigError
-    from automodel.launch.errors import LaunchError, TrainingStopped
+    from automodel.errors import CheckpointError, LaunchError, TrainingStopped
 
     overrides = (saved_overrides(args.rerun) if args.rerun else []) + args.overrides
     output_dir = args.output_dir or str(

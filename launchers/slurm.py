@@ -3,8 +3,9 @@
     python -m launchers.slurm [--nodes 1] [--tasks-per-node 2] [--partition P] [--time-min 60]
                               [--folder DIR] [--wait] [override ...]
 
-The overrides are the same ``key=value`` strings ``train.py`` takes; the config is composed
-and validated here, before anything is submitted. Prints the job id; with ``--wait`` it
+The overrides are the same ``key=value`` strings ``train.py`` takes; the config is composed,
+validated and preflighted (``automodel.launch.preflight``: the model's TP plan and pipeline
+split, the data) here, before anything is submitted. Prints the job id; with ``--wait`` it
 follows the job to its end and exits non-zero (with the log path) if it failed.
 """
 
@@ -27,12 +28,12 @@ class TrainJob:
         import os
 
         from automodel.api import load_config
-        from automodel.launch.errors import TrainingStopped
+        from automodel.errors import TrainingStopped
         from automodel.launch.local import launch
-        from automodel.launch.support import check_runtime_support
+        from automodel.launch.preflight import preflight
 
         cfg = load_config(overrides, output_dir=output_dir, env=os.environ)
-        check_runtime_support(cfg)
+        preflight(cfg)  # again in the task: the data cache the submitter built is only opened
         try:
             return launch(cfg)
         except TrainingStopped as stopped:  # saved (and requeued): end the task without a
@@ -108,14 +109,16 @@ def main(argv: list[str] | None = None) -> int:
 
     from automodel.api import load_config
     from automodel.config.build import ConfigError
+    from automodel.launch.slurm import submit_env
 
     output_dir = str(Path(args.output_dir or Path("outputs") / "slurm" /
                           datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")).absolute())
-    world = args.nodes * args.tasks_per_node
-    env = {"RANK": "0", "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(args.tasks_per_node),
-           "MASTER_ADDR": "submit-time-check"}
-    try:  # validate against the world the job will have, before submitting
-        load_config(args.overrides, output_dir=output_dir, env=env)
+    try:  # the whole preflight, against the world the job will have, before submitting
+        from automodel.launch.preflight import preflight
+
+        preflight(load_config(args.overrides, output_dir=output_dir,
+                              env=submit_env(args.nodes, args.tasks_per_node)),
+                  gpus=args.gpus_per_node)
     except ConfigError as err:
         print(f"automodel: configuration error:\n{err}", file=sys.stderr)
         return 2

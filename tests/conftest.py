@@ -38,7 +38,7 @@ def _no_gpus(request, monkeypatch):
     unless a test passes its own probe (tests/config/test_gpu_defaults.py). Tests marked `gpu`
     see the machine as it is."""
     if request.node.get_closest_marker("gpu") is None:
-        monkeypatch.setattr("automodel.launch.env.gpu_device_probe", lambda: 0)
+        monkeypatch.setattr("automodel.config.launch_env.gpu_device_probe", lambda: 0)
 
 
 def gpus_here() -> tuple[int, str]:
@@ -46,7 +46,7 @@ def gpus_here() -> tuple[int, str]:
     CUDA in this process: the device files and CUDA_VISIBLE_DEVICES, and torch's build."""
     import torch
 
-    from automodel.launch.env import nvidia_device_files, visible_gpu_count
+    from automodel.config.launch_env import nvidia_device_files, visible_gpu_count
 
     if torch.version.cuda is None:
         return 0, f"torch {torch.__version__} is not a CUDA build"

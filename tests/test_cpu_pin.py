@@ -20,7 +20,7 @@ from tests.cli.test_cli import QUICK, cli_args
 from tests.distributed.test_parity import assert_matches
 from tests.helpers import BASE, FP32, job_overrides, run_on_ranks
 
-PROBE = "automodel.launch.env.gpu_device_probe"
+PROBE = "automodel.config.launch_env.gpu_device_probe"
 CPU = torch.device("cpu")
 
 

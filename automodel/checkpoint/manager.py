@@ -25,7 +25,6 @@ import warnings
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -33,10 +32,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from automodel.checkpoint.errors import CheckpointWriteError
 from automodel.checkpoint.paths import checkpoint_path, complete_checkpoints
 from automodel.checkpoint.verify import CheckpointError, check_files, check_keys
-from automodel.launch.failure import describe, no_space, os_error, size
+from automodel.compat import flatten_state_dict
+from automodel.errors import CheckpointWriteError, describe, no_space, os_error, size
 
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 log = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ import os
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from automodel.checkpoint.errors import CheckpointError
+from automodel.errors import CheckpointError
 
 
 def _shorten(items: list[str], limit: int = 8) -> str:

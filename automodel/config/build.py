@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import enum
 import typing
 from typing import Any, Mapping
 
@@ -44,6 +45,10 @@ def build(cls, data: Mapping[str, Any] | None, path: str):
     return cls(**kwargs)
 
 
+def is_choice(tp) -> bool:
+    return isinstance(tp, type) and issubclass(tp, enum.Enum) and hasattr(tp, "parse")
+
+
 def _type_name(tp) -> str:
     return getattr(tp, "__name__", str(tp).replace("typing.", ""))
 
@@ -57,7 +62,11 @@ def _coerce(tp, value, path: str):
         if value is None:
             return None
         inner = [a for a in args if a is not type(None)]
+        if is_choice(inner[0]):
+            return inner[0].parse(path, value, optional=True)
         return _coerce(inner[0], value, path)
+    if is_choice(tp):  # a closed set of values (config/enums.py): its own message
+        return tp.parse(path, value)
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, Mapping):
             raise ConfigError(f"{path}={value!r}: expected a mapping of {tp.__name__} options")

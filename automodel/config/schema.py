@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
+from automodel.config.enums import FrozenSharding, Loss, OnNonfinite, VisionUnit, WandbMode
+
 
 # --------------------------------------------------------------------------- runtime / mesh
 @dataclass
@@ -76,13 +78,14 @@ class VisionConfig:
     """``parallelism.multimodal.vision``: how FSDP2 shards an image-text model's vision tower
     (its blocks that are sharded at all: trainable ones, or frozen ones under ``per_layer``)."""
 
-    unit: str = "layer"  # layer: each tower block its own unit | tower: the tower one unit
+    unit: VisionUnit = VisionUnit.layer  # layer: each tower block its own unit | tower: the
+    # tower one unit
     reshard_after_forward: Optional[bool] = None  # null = as the language blocks
 
 
 @dataclass
 class MultimodalConfig:
-    frozen_sharding: str = "root"  # root | per_layer | replicate
+    frozen_sharding: FrozenSharding = FrozenSharding.root  # root | per_layer | replicate
     vision: VisionConfig = field(default_factory=VisionConfig)
 
 
@@ -110,6 +113,12 @@ class FSDP2Config(CommonOptions):
     offload_policy: Any = None  # {_target_: torch.distributed.fsdp.CPUOffloadPolicy, ...} | null
     multimodal: MultimodalConfig = field(default_factory=MultimodalConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
+
+
+@dataclass
+class HSDPConfig(FSDP2Config):
+    """``parallelism=hsdp``: FSDP2 on a replicate x shard mesh (its option file sets
+    ``mesh.dp_replicate_size: 2``); every FSDP2 option applies."""
 
 
 @dataclass
@@ -268,11 +277,12 @@ class TrainerConfig:
     log_every: int = 10
     stop_at_step: Optional[int] = None  # end this run after this step (the schedule still
     # spans max_steps); for splitting a run into time slots
-    on_nonfinite: str = "raise"  # a NaN/inf loss or gradient norm: raise (stop) | skip the step
+    # a NaN/inf loss or gradient norm: raise (stop) | skip the step
+    on_nonfinite: OnNonfinite = OnNonfinite["raise"]
     eval_every: int = 0  # evaluate on the held-out rows every n steps (and at the end); 0: never
     eval_batches: Optional[int] = None  # global batches per evaluation; null = all held out
     prefetch_steps: int = 1  # steps of micro-batches read ahead in a background thread; 0: none
-    loss: str = "auto"  # fused: the LM head and the loss together, chunked | plain | auto
+    loss: Loss = Loss.auto  # fused: the LM head and the loss together, chunked | plain | auto
     loss_chunk_tokens: int = 1024  # tokens per chunk of the fused loss
     profile_steps: Optional[List[int]] = None  # [first, last]: torch.profiler over those steps
 
@@ -288,7 +298,8 @@ class WandbConfig:
 
     project: Optional[str] = None  # null = $WANDB_PROJECT, else "automodel"
     entity: Optional[str] = None  # null = $WANDB_ENTITY, else the account's default entity
-    mode: Optional[str] = None  # online | offline | disabled; null = $WANDB_MODE, else online
+    mode: Optional[WandbMode] = None  # online | offline | disabled; null = $WANDB_MODE, else
+    # online
     group: Optional[str] = None  # null = the sweep's directory name in a multirun
     job_type: str = "train"
     name: Optional[str] = None  # null = the output directory's name

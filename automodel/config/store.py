@@ -9,26 +9,19 @@ from __future__ import annotations
 from hydra.core.config_store import ConfigStore
 
 from automodel.config import schema as s
+from automodel.config import strategies
+from automodel.data.registry import DATA_SOURCES, SHIPPED
 
-# group -> {option name -> schema class}; ``resolve.py`` uses the same table in reverse.
+# group -> {option name -> schema class} of the shipped options. The strategies and the data
+# sources are their registries' (``config/strategies.py``, ``data/registry.py``), which
+# ``resolve.py`` asks for the entry of a composed node's schema.
 SCHEMAS = {
-    "parallelism": {
-        "none": s.SingleProcessConfig,
-        "ddp": s.DDPConfig,
-        "fsdp2": s.FSDP2Config,
-        "megatron_fsdp": s.MegatronFSDPConfig,
-    },
+    "parallelism": {entry.name: entry.schema for entry in strategies.SHIPPED},
     "pipeline": {"pipeline": s.PipelineConfig},
     "mesh": {"default": s.MeshConfig},
     "distributed": {"default": s.DistributedConfig},
     "model": {"default": s.ModelConfig},
-    "data": {
-        "corpus": s.CorpusDataConfig,
-        "synthetic": s.SyntheticDataConfig,
-        "files": s.FilesDataConfig,
-        "hf": s.HFDataConfig,
-        "tokens": s.TokensDataConfig,
-    },
+    "data": {source.name: source.schema for source in SHIPPED},
     "optim": {"adamw": s.OptimConfig},
     "trainer": {"default": s.TrainerConfig},
     "logger": {"default": s.LoggerConfig},
@@ -37,7 +30,12 @@ SCHEMAS = {
 
 
 def register_schemas() -> None:
+    """Store every schema, the strategies and data sources registered by now included (one
+    registered outside automodel too)."""
     cs = ConfigStore.instance()
+    registered = {"parallelism": strategies.STRATEGIES, "data": DATA_SOURCES}
     for group, options in SCHEMAS.items():
+        if group in registered:
+            options = {entry.name: entry.schema for entry in registered[group]}
         for name, cls in options.items():
             cs.store(group=f"schema/{group}", name=name, node=cls)

@@ -8,12 +8,13 @@ import os
 
 from automodel.config import schema as s
 from automodel.config.build import ConfigError
-from automodel.config.validate import _positive, check_dtype, model_numbers
-from automodel.distributed.pipelining.layout import (
+from automodel.config.layout import Layout
+from automodel.config.pipeline_layout import (
     SCHEDULE_SHAPES,
     canonical_schedule,
     count_stages,
 )
+from automodel.config.validate import _positive, check_dtype, model_numbers
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +27,7 @@ def check_pipeline_model(p: s.PipelineConfig, mesh: s.MeshConfig, model: s.Model
         layers = model_numbers(model).get("num_hidden_layers")
     pp = mesh.pp_size
     if p.pp_schedule_csv is not None:
-        from automodel.distributed.pipelining.csv_schedule import read_csv_layout
+        from automodel.config.pipeline_csv import read_csv_layout
 
         name, stages = "csv", read_csv_layout(p.pp_schedule_csv).num_stages
     else:
@@ -57,8 +58,8 @@ def check_pipeline_model(p: s.PipelineConfig, mesh: s.MeshConfig, model: s.Model
         raise ConfigError(f"pipeline.pp_schedule={p.pp_schedule} with mesh.pp_size={pp} needs "
                           f"{stages} stages but the model has model.config.num_hidden_layers="
                           f"{layers} (at least one layer per stage)")
-    per_rank = trainer.global_batch_size // mesh.dp_size
-    m = (p.pp_batch_size or per_rank) // p.pp_microbatch_size
+    m = Layout.of(mesh).pipeline_microbatches(trainer.global_batch_size, p.pp_batch_size,
+                                              p.pp_microbatch_size)
     if name == "1f1b" and m < pp:
         raise ConfigError(f"1f1b needs at least mesh.pp_size={pp} micro-batches, got {m} "
                           "(pipeline.pp_batch_size / pipeline.pp_microbatch_size)")
@@ -107,11 +108,12 @@ def check_pipeline(p: s.PipelineConfig, mesh: s.MeshConfig, trainer: s.TrainerCo
     if p.round_virtual_stages_to_pp_multiple not in (None, "up", "down"):
         raise ConfigError(f"pipeline.round_virtual_stages_to_pp_multiple="
                           f"{p.round_virtual_stages_to_pp_multiple!r}: allowed: up, down, null")
-    per_rank = trainer.global_batch_size // mesh.dp_size
+    layout = Layout.of(mesh)
+    per_rank = layout.per_rank_batch(trainer.global_batch_size)
     if p.pp_batch_size is not None and per_rank % p.pp_batch_size:
         raise ConfigError(f"pipeline.pp_batch_size={p.pp_batch_size} must divide the per-rank "
                           f"batch trainer.global_batch_size / dp = {per_rank}")
-    batch = p.pp_batch_size if p.pp_batch_size is not None else per_rank
+    batch = layout.pipeline_batch(trainer.global_batch_size, p.pp_batch_size)
     if batch % p.pp_microbatch_size:
         raise ConfigError(f"pipeline batch {batch} (pipeline.pp_batch_size, default "
                           f"trainer.global_batch_size / dp) must be divisible by "
@@ -121,7 +123,7 @@ def check_pipeline(p: s.PipelineConfig, mesh: s.MeshConfig, trainer: s.TrainerCo
 
 
 def _check_csv(p: s.PipelineConfig, mesh: s.MeshConfig, n_microbatches: int) -> None:
-    from automodel.distributed.pipelining.csv_schedule import read_csv_layout
+    from automodel.config.pipeline_csv import read_csv_layout
 
     try:
         layout = read_csv_layout(p.pp_schedule_csv)

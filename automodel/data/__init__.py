@@ -1,1 +1,2 @@
-"""Token sources (shipped corpus, synthetic, local files) and the per-step batch plan."""
+"""The data sources (``registry.py``: one registered object per ``data=<name>``), the rows they
+make (``sources.py``), and the per-step batch plan."""

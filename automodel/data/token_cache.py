@@ -37,7 +37,7 @@ from automodel.data.token_stream import (
     token_dtype,
     write_meta,
 )
-from automodel.launch.failure import FileWriteError
+from automodel.errors import FileWriteError
 
 log = logging.getLogger(__name__)
 BATCH = 1024  # documents tokenized together

@@ -6,11 +6,12 @@ import logging
 
 import torch
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-    CheckpointImpl,
-    checkpoint_wrapper,
-)
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from automodel.compat import checkpoint_wrapper_api
+
+checkpoint_wrapper = checkpoint_wrapper_api().checkpoint_wrapper
+CheckpointImpl = checkpoint_wrapper_api().CheckpointImpl
 
 # Selective checkpointing keeps the outputs of these (expensive to recompute) and recomputes
 # everything else (norms, activations, elementwise ops) in backward.

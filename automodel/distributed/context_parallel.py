@@ -34,6 +34,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from automodel.compat import can_set_attn_implementation
 from automodel.distributed.mesh import MeshAxis
 
 ATTENTION_NAME = "automodel_cp"
@@ -244,7 +245,7 @@ def check_model(model: nn.Module, cp: int, ulysses: int, tp_heads: int) -> None:
     if sinks:
         raise ValueError(f"{where}: context parallelism does not support attention sinks "
                          f"({sinks[0]}); use mesh.cp_size=1 for this model")
-    if not model._can_set_attn_implementation():
+    if not can_set_attn_implementation(model):
         raise ValueError(f"{where}: {type(model).__name__} does not run its attention through "
                          "transformers' attention interface, which context parallelism "
                          "replaces; use mesh.cp_size=1 for this model")

@@ -38,6 +38,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from automodel.compat import direct_parameters, replace_parameter_table
 from automodel.models.experts import DISPATCH_STYLE, expert_modules
 
 
@@ -152,9 +153,9 @@ def _local_view(module: nn.Module) -> nn.Module:
     view.__dict__.update(module.__dict__)
     scale = module._ep.grad_scale
     local = {n: p.to_local() if isinstance(p, DTensor) else p
-             for n, p in module._parameters.items()}
-    view._parameters = {n: _ScaleGrad.apply(t, scale) if scale != 1.0 else t
-                        for n, t in local.items()}
+             for n, p in direct_parameters(module)}
+    replace_parameter_table(view, {n: _ScaleGrad.apply(t, scale) if scale != 1.0 else t
+                                   for n, t in local.items()})
     view.num_experts = module._ep.num_local
     return view
 

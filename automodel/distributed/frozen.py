@@ -22,7 +22,10 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
+
+from automodel.compat import checkpoint_wrapper_api, get_parameter, set_parameter
+
+ActivationWrapper = checkpoint_wrapper_api().ActivationWrapper
 
 
 def _frozen(module: nn.Module) -> bool:
@@ -92,18 +95,18 @@ def _swap_during_forward(module: nn.Module, dtype: torch.dtype, slots: list) -> 
     def swap_in(mod, args):
         copies: dict = {}  # one copy per parameter (tied weights stay tied)
         for owner, name in slots:
-            p = owner._parameters[name]
+            p = get_parameter(owner, name)
             if p.dtype == dtype:  # (swapped already: a nested call)
                 continue
             if id(p) not in copies:
                 copies[id(p)] = nn.Parameter(p.detach().to(dtype), requires_grad=False)
             originals.append((owner, name, p))
-            owner._parameters[name] = copies[id(p)]
+            set_parameter(owner, name, copies[id(p)])
 
     def swap_out(mod, args, output):
         while originals:
             owner, name, p = originals.pop()
-            owner._parameters[name] = p
+            set_parameter(owner, name, p)
 
     module.register_forward_pre_hook(swap_in)
     module.register_forward_hook(swap_out, always_call=True)

@@ -14,10 +14,10 @@ from torch.distributed.fsdp import (
     fully_shard,
 )
 
+from automodel.compat import keep_output_recording
 from automodel.config.policies import POLICY_FIELDS, PolicySpec
 from automodel.config.schema import FSDP2Config
 from automodel.distributed.frozen import compute_in_param_dtype, plan_units
-from automodel.distributed.patches import keep_output_recording
 from automodel.models.parts import group_of, vision_tower
 
 log = logging.getLogger(__name__)
@@ -121,3 +121,26 @@ def set_prefetch(blocks: list[nn.Module], forward_depth: int, backward_depth: in
         prev = list(reversed(trained[max(0, i - backward_depth):i]))
         if prev and backward_depth > 0:
             block.set_modules_to_backward_prefetch(prev)
+
+
+# --------------------------------------------------------------------------- strategy hooks
+# ``parallelism=fsdp2`` and ``hsdp`` (config/strategies.py) name these.
+def wrap_fsdp2(part: nn.Module, blocks: list[str], setup, experts: list) -> nn.Module:
+    """The data-parallel wrap of one model part (``setup``: the ``DistributedSetup``): FSDP2
+    over the mesh's data-parallel (x context-parallel) ranks; the experts of expert
+    parallelism on their own FSDP2 mesh, sharded over ``ep_shard`` or replicated."""
+    moe = None
+    if experts:
+        dims = "ep_shard" if setup.options.moe.shard_experts else ("ep_shard", "ep_unit")
+        moe = (experts, setup.mesh.moe[dims])
+    apply_fsdp2(part, blocks, setup.mesh.fsdp_mesh(), setup.options,
+                build_policy(setup.mp_policy, setup.device),
+                build_policy(setup.offload_policy, setup.device), setup.pp_enabled, moe)
+    return part
+
+
+def defer_fsdp2_sync(model: nn.Module, setup, is_last: bool):
+    """``defer_fsdp_grad_sync``: reduce-scatter only in the last micro-batch's backward."""
+    if setup.options.defer_fsdp_grad_sync:
+        model.set_requires_gradient_sync(is_last)
+    return None

@@ -86,11 +86,10 @@ def set_collective_timeout(timeout: datetime.timedelta, group=None) -> None:
     never waits for a slow one under the new, shorter one."""
     if not dist.is_initialized():
         return
-    from torch.distributed import distributed_c10d as c10d
+    from automodel.compat import set_all_group_timeouts
 
     dist.barrier(group=group)
-    for pg in list(c10d._world.pg_map):
-        c10d._set_pg_timeout(timeout, pg)
+    set_all_group_timeouts(timeout)
 
 
 def destroy_distributed() -> None:

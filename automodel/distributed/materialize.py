@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from automodel.compat import local_shape_and_offset, local_tensor, unwrapped_name
 from automodel.config.schema import ModelConfig
 
 
@@ -46,14 +46,14 @@ def _targets(parts: list[nn.Module]) -> dict[str, list[torch.Tensor]]:
 
 def _clean(name: str) -> str:
     """Names as the unwrapped model has them (activation checkpointing wraps blocks)."""
-    return name.replace("_checkpoint_wrapped_module.", "")
+    return unwrapped_name(name)
 
 
 @torch.no_grad()
 def _fill(target: torch.Tensor, full: torch.Tensor) -> None:
     if isinstance(target, DTensor):
         piece = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None)
-        target._local_tensor.copy_(piece._local_tensor)
+        local_tensor(target).copy_(local_tensor(piece))
     else:
         target.copy_(full)
 
@@ -89,8 +89,7 @@ def _local_window(target: DTensor, shape) -> tuple | None:
     """The slice of the full tensor this rank's shard holds, when it is one block."""
     if not all(type(p) in (Shard, Replicate) for p in target.placements):
         return None  # e.g. FSDP2 over TP (strided shards): read whole, keep the slice
-    local, offset = compute_local_shape_and_global_offset(shape, target.device_mesh,
-                                                          target.placements)
+    local, offset = local_shape_and_offset(shape, target.device_mesh, target.placements)
     return tuple(slice(o, o + n) for o, n in zip(offset, local))
 
 
@@ -136,7 +135,7 @@ def load_slices(parts: list[nn.Module], device: torch.device, files: dict[str, s
         stored = handles[files[key]].get_slice(key)
         window = _local_window(p, stored.get_shape()) if isinstance(p, DTensor) else None
         if window is not None:
-            p._local_tensor.copy_(stored[window])
+            local_tensor(p).copy_(stored[window])
         else:
             _fill(p, stored[:].to(p.dtype))
 

@@ -74,9 +74,14 @@ def refusal(gpus: int, backend: str | None) -> str | None:
     return None
 
 
+def refusal_for(cfg) -> str | None:
+    """The strategy's run-time refusal (``cfg``: the ``TrainConfig``), checked before launch."""
+    return refusal(cfg.launch.gpus, cfg.distributed.backend)
+
+
 def zero_dp_strategy(value) -> str:
     """The library's name for ``parallelism.zero_dp_strategy`` (validated before)."""
-    from automodel.config.validate import MEGATRON_ZERO_STRATEGIES
+    from automodel.config.validate_parallelism import MEGATRON_ZERO_STRATEGIES
 
     return MEGATRON_ZERO_STRATEGIES.get(value, value)
 
@@ -199,6 +204,25 @@ def grad_average_size(opts, dp_cp: int, dp_replicate: int) -> int:
     if not opts.calculate_per_token_loss:
         return dp_cp
     return dp_replicate if opts.average_in_collective else 1
+
+
+def megatron_average_size(setup) -> int:
+    """``GradSync.average_size`` of ``parallelism=megatron_fsdp`` (``setup``: the
+    ``DistributedSetup``)."""
+    from automodel.distributed.mesh import MeshAxis
+
+    return grad_average_size(setup.options, setup.size(MeshAxis.DP_CP),
+                             setup.size(MeshAxis.DP_REPLICATE))
+
+
+def defer_megatron_sync(model, setup, is_last: bool):
+    """``no_sync`` on all but the last micro-batch."""
+    return None if is_last else model.no_sync()
+
+
+def finish_megatron_sync(model, setup) -> None:
+    """Its gradient reduction runs on after backward; clipping needs it done."""
+    model.finish_grad_sync()
 
 
 def attention_classes(model) -> set[type]:

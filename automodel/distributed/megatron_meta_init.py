@@ -10,14 +10,21 @@ from __future__ import annotations
 
 import functools
 
+from automodel.compat import direct_buffers, set_buffer, unwrapped_name
 
-def meta_init(setup) -> bool:
-    """Whether megatron-fsdp itself allocates the model (from the meta device) at the wrap."""
-    return setup.strategy == "megatron_fsdp" and setup.options.init_fsdp_with_meta_device
+
+def materialize_part(part, fill, setup) -> None:
+    """``parallelism=megatron_fsdp``'s ``materialize`` hook (config/strategies.py): with
+    ``init_fsdp_with_meta_device`` megatron-fsdp itself allocates the part at the wrap, one
+    module at a time (``prepare_meta_init``); else ``fill`` allocates and fills it now."""
+    if setup.options.init_fsdp_with_meta_device:
+        prepare_meta_init(part, fill, setup.device)
+    else:
+        fill([part])
 
 
 def _clean(name: str) -> str:
-    return name.replace("_checkpoint_wrapped_module.", "")
+    return unwrapped_name(name)
 
 
 class ModuleSource:
@@ -99,9 +106,9 @@ def prepare_meta_init(part, fill, device) -> None:
     for module in part.modules():
         for name, p in module.named_parameters(recurse=False):
             owners.setdefault(id(p), []).append((module, name))
-        for name, b in list(module._buffers.items()):
+        for name, b in direct_buffers(module):
             if b is not None:
-                module._buffers[name] = b.to(device)
+                set_buffer(module, name, b.to(device))
     for mname, module in part.named_modules():
         direct = list(module.named_parameters(recurse=False))
         if not direct:

@@ -8,7 +8,10 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from automodel.config.layout import Layout
 from automodel.config.policies import PolicySpec
+from automodel.config.strategies import Strategy
+from automodel.config.strategies import strategy as strategy_of
 from automodel.distributed.context_parallel import ContextParallel
 from automodel.distributed.init import DistInfo
 from automodel.distributed.mesh import MeshAxis, MeshContext
@@ -16,7 +19,7 @@ from automodel.distributed.mesh import MeshAxis, MeshContext
 
 @dataclass
 class DistributedSetup:
-    strategy: str  # none | ddp | fsdp2 | megatron_fsdp
+    strategy: Strategy  # an entry of config/strategies.STRATEGIES (a name is looked up)
     options: Any  # the strategy's option dataclass
     dist: DistInfo
     mesh: Optional[MeshContext]  # None for a single process without a group
@@ -30,9 +33,18 @@ class DistributedSetup:
     loss: str = "auto"  # trainer.loss: auto | fused | plain (the LM head joins the loss)
     loss_chunk_tokens: int = 1024
 
+    def __post_init__(self):
+        # a name becomes its entry; an unknown one is refused here, with the allowed names
+        self.strategy = strategy_of(self.strategy)
+
+    @property
+    def layout(self) -> Layout:
+        """The degrees the mesh was built from (one rank's without a mesh)."""
+        return Layout() if self.mesh is None else self.mesh.layout
+
     @property
     def ep_enabled(self) -> bool:
-        return self.mesh is not None and self.mesh.moe is not None
+        return self.layout.ep_enabled
 
     @property
     def device(self) -> torch.device:
@@ -51,7 +63,7 @@ class DistributedSetup:
 
     @property
     def pp_enabled(self) -> bool:
-        return self.size(MeshAxis.PP) > 1
+        return self.layout.pp_enabled
 
     @property
     def process_group(self):
@@ -70,13 +82,10 @@ class DistributedSetup:
     def grad_average_size(self) -> int:
         """The number of ranks DDP/FSDP2 average gradients over (dp x cp); a micro-batch
         loss is scaled by it so the averaged gradient is the global token mean's.
-        Megatron-FSDP sums instead under ``calculate_per_token_loss`` (``grad_average_size``
-        there)."""
-        if self.strategy == "megatron_fsdp":
-            from automodel.distributed.megatron_fsdp import grad_average_size
-
-            return grad_average_size(self.options, self.size(MeshAxis.DP_CP),
-                                     self.size(MeshAxis.DP_REPLICATE))
+        A strategy may reduce otherwise (``GradSync.average_size``: Megatron-FSDP sums under
+        ``calculate_per_token_loss``)."""
+        if self.strategy.grad_sync.average_size is not None:
+            return self.strategy.hook("average_size")(self)
         return self.size(MeshAxis.DP_CP)
 
     @property

@@ -29,6 +29,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from automodel.config.tp_styles import shards_vocab, style_problem
 from automodel.distributed.tp_extra_styles import (
     AllReduceOutput,
     GatherSequenceOnEntry,
@@ -37,7 +38,6 @@ from automodel.distributed.tp_extra_styles import (
     ReplicatedWithGradAllReduce,
 )
 from automodel.models.tp_plans import matches
-from automodel.models.tp_styles import shards_vocab, style_problem
 
 log = logging.getLogger(__name__)
 
@@ -246,13 +246,11 @@ def _retie_embeddings(model: nn.Module) -> None:
 
 def enable_async_tp(tp_mesh: DeviceMesh) -> None:
     """Let inductor overlap TP collectives with matmuls (compiled regions, CUDA only)."""
-    import torch._inductor.config as inductor_config
+    from automodel.compat import enable_micro_pipeline_tp, enable_symmetric_memory
 
-    inductor_config._micro_pipeline_tp = True
+    enable_micro_pipeline_tp()
     if tp_mesh.device_type == "cuda":
-        from torch.distributed._symmetric_memory import enable_symm_mem_for_group
-
-        enable_symm_mem_for_group(tp_mesh.get_group().group_name)
+        enable_symmetric_memory(tp_mesh.get_group().group_name)
         log.info("async tensor parallel: micro-pipelined TP and symmetric memory enabled")
     else:
         log.warning("async tensor parallel: the collective/compute overlap only happens on CUDA "

@@ -13,6 +13,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from automodel.compat import direct_parameters, set_parameter
+
 
 class ReplicatedWithGradAllReduce(ParallelStyle):
     """A module (e.g. Qwen3's per-head q/k norm) that runs on TP-local heads with weights
@@ -132,14 +134,14 @@ class LocalParams(ParallelStyle):
         saved: dict = {}
 
         def pre(mod, args):
-            for name, param in list(mod._parameters.items()):
+            for name, param in direct_parameters(mod):
                 if isinstance(param, DTensor):
                     saved[name] = param
-                    mod._parameters[name] = param.to_local()
+                    set_parameter(mod, name, param.to_local())
 
         def post(mod, args, output):
             for name, param in saved.items():
-                mod._parameters[name] = param
+                set_parameter(mod, name, param)
             saved.clear()
 
         module.register_forward_pre_hook(pre)

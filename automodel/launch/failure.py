@@ -14,6 +14,8 @@ import contextlib
 import signal
 import sys
 
+from automodel.errors import describe
+
 _PHASE = ["start-up"]
 _CHANNEL: list = [None]  # the launcher's queue, in a locally launched rank
 
@@ -24,44 +26,6 @@ def set_phase(name: str) -> None:
 
 def current_phase() -> str:
     return _PHASE[0]
-
-
-def _causes(exc: BaseException):
-    """``exc`` and the exceptions it was raised from, outermost first."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        yield exc
-        failures = getattr(exc, "failures", None)  # torch.distributed.checkpoint's wrapper:
-        if isinstance(failures, dict) and failures:  # {rank: (exception, traceback)}
-            inner = next(iter(failures.values()))
-            inner = inner[0] if isinstance(inner, tuple) and inner else inner
-            exc = inner if isinstance(inner, BaseException) else None
-            continue
-        exc = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else ""
-
-
-def describe(exc: BaseException) -> str:
-    """``Type: message`` of the root cause, and of the exception that carried it when that is
-    another one (``OSError: [Errno 28] ... (raised as RuntimeError: ...)``). An automodel
-    error that explains the cause itself (``Explained``) is given as it is."""
-    chain = list(_causes(exc))
-    if isinstance(exc, Explained):
-        return f"{type(exc).__name__}: {exc}"
-    root = chain[-1]
-    text = f"{type(root).__name__}: {_first_line(root) or '(no message)'}"
-    if root is not exc:
-        text += f" (raised as {type(exc).__name__}: {_first_line(exc)[:200]})"
-    return text
-
-
-class Explained(Exception):
-    """An error whose message already says what happened, where, and what to do."""
 
 
 def summary(exc: BaseException, rank: int | None = None) -> str:
@@ -137,25 +101,3 @@ def launcher_message(failures: dict, reports: dict) -> str:
                 continue
         lines.append(f"{head}: no error report (its log above has what it printed)")
     return "\n".join(lines)
-
-
-class FileWriteError(Explained, OSError):
-    """A file of the run could not be written; the message names it and the cause."""
-
-
-def no_space(exc: BaseException) -> bool:
-    """Whether ``exc`` or what it was raised from is a full disk (ENOSPC, or its message)."""
-    import errno
-
-    return any((isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT))
-               or "No space left on device" in str(e) for e in _causes(exc))
-
-
-def os_error(exc: BaseException) -> OSError | None:
-    """The first ``OSError`` in ``exc``'s chain (None: not a file-system failure)."""
-    return next((e for e in _causes(exc) if isinstance(e, OSError)), None)
-
-
-def size(n: float) -> str:
-    """Bytes for a message: ``1.50 GiB``, ``37.2 MiB``."""
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"

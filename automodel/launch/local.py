@@ -22,8 +22,8 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, r
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from automodel.config.resolve import TrainConfig
+from automodel.errors import LaunchError, TrainingStopped
 from automodel.launch import failure, forkserver
-from automodel.launch.errors import LaunchError, TrainingStopped
 from automodel.launch.signals import STOP_SIGNALS
 
 log = logging.getLogger(__name__)

@@ -1,19 +1,46 @@
-"""Checks that need the model's own structure, run before any rank or process group starts.
+"""``preflight``: the checks every entry point runs on a resolved config before any rank or
+process group starts, and before a SLURM job is queued.
 
-The model is built on the meta device (no weights are read or allocated, so this costs the
-same for 70B as for a tiny model): its tensor-parallel plan is resolved and checked against
-its modules and sizes, and its pipeline anatomy (embedding, layers, norm, head) is found.
-Each check is the one the runtime itself uses, so what passes here runs there.
+The model checks build the model on the meta device (no weights are read or allocated, so this
+costs the same for 70B as for a tiny model): its tensor-parallel plan is resolved and checked
+against its modules and sizes, and its pipeline anatomy (embedding, layers, norm, head) is
+found. Each check is the one the runtime itself uses, so what passes here runs there.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from typing import Union
 
 from automodel.config.build import ConfigError
 from automodel.config.resolve import TrainConfig
+from automodel.launch.support import check_runtime_support
 
 log = logging.getLogger(__name__)
+
+THIS_MACHINE = "this machine"  # preflight(gpus=...): the job's ranks run where it is called
+
+
+def preflight(cfg: TrainConfig, *, gpus: Union[int, None, str] = THIS_MACHINE) -> None:
+    """Run ``PREFLIGHT_CHECKS`` in order on a resolved config; raise ``ConfigError`` at the
+    first that fails. Every entry point calls this one function: ``train.py``
+    (``automodel/cli.py``), ``automodel.api.run``, the benchmarks (``benchmarks/common.py``),
+    a SLURM submission before anything is queued (``launchers/slurm.py``, and
+    ``hydra/launcher=slurm`` through ``automodel/launch/hydra_slurm.py``), and each SLURM task
+    again before its rank starts.
+
+    ``gpus``: the GPUs each of the job's ranks will see. Default: this machine's
+    (``cfg.launch.gpus``). A submitter passes the job's request (``gpus_per_node``), or None
+    when the job names none, and the tasks, which run the preflight again, check for a GPU.
+
+    The data check builds the ``data=hf`` / ``tokens`` token cache (content-addressed, under
+    a file lock): a SLURM task that runs after its submitter finds the entry the submitter
+    built and only opens it."""
+    if gpus != THIS_MACHINE:
+        cfg = dataclasses.replace(cfg, launch=dataclasses.replace(cfg.launch, gpus=gpus))
+    for _name, check in PREFLIGHT_CHECKS:
+        check(cfg)
 
 
 def check_model_layout(cfg: TrainConfig) -> None:
@@ -76,7 +103,7 @@ def check_image_inputs(cfg: TrainConfig) -> None:
     ranks will; a family for which any of that fails is refused here, naming what is missing
     (a package to install, a vision_config, an input)."""
     from automodel.models.builder import build_meta_model, hf_config
-    from automodel.models.multimodal import image_token_id, is_image_text
+    from automodel.models.multimodal import is_image_text
 
     try:
         config = hf_config(cfg.model)
@@ -96,15 +123,14 @@ def check_image_inputs(cfg: TrainConfig) -> None:
     except Exception as err:  # the family's own modeling code
         raise ConfigError(f"model ({_which(cfg)}): cannot build {type(config).__name__}'s "
                           f"model: {type(err).__name__}: {_first_line(err)}") from None
-    from automodel.data.image_text import synthetic_format
-    from automodel.models.image_inputs import image_spec
+    from automodel.data.registry import data_source, image_text_refusal
 
-    try:
-        if cfg.data_source == "files":
-            image_spec(model)  # (the processor makes the images; the family must take them)
-            image_token_id(model.config)
-        else:
-            synthetic_format(model.config, model, 0)
+    source = data_source(cfg.data_source)
+    if source.image_text is None:
+        raise ConfigError(image_text_refusal(source.name, type(model).__name__))
+    check_images = source.hook("image_check")  # (the images the source makes, generated or
+    try:  # through the model's processor: the family must take them)
+        check_images(model)
     except ValueError as err:
         raise ConfigError(f"model ({_which(cfg)}): {err}; this image-text family cannot train "
                           "in automodel (docs/image_text.md lists the families)") from None
@@ -114,17 +140,17 @@ def _check_causal_lm(cfg: TrainConfig, config) -> None:
     """A config without a ``vision_config`` is built as a causal LM: transformers must have
     one for it. Image-text families whose images come another way (discrete image codes in a
     ``vq_config``, a protein encoder, an encoder-decoder) have none, and are named here."""
-    from transformers import AutoModelForCausalLM
     from transformers.models.auto.modeling_auto import (
         MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES as IMAGE_TEXT,
     )
 
-    if type(config) in AutoModelForCausalLM._model_mapping:
+    from automodel.compat import causal_lm_class, has_causal_lm
+
+    if has_causal_lm(config):
         if config.model_type in IMAGE_TEXT:  # (emu3, fuyu: images without a vision_config)
             log.warning("model_type %r is an image-text family without a vision_config: "
                         "automodel builds %s, its text model, and feeds it text only",
-                        config.model_type,
-                        AutoModelForCausalLM._model_mapping[type(config)].__name__)
+                        config.model_type, causal_lm_class(config).__name__)
         return
     subs = [k for k in (getattr(config, "sub_configs", None) or {})
             if getattr(config, k, None) is not None]
@@ -158,21 +184,56 @@ def _which(cfg: TrainConfig) -> str:
 
 
 def prepare_data(cfg: TrainConfig) -> None:
-    """``data=hf`` / ``tokens``: build (or find) the token cache and check it against the
-    model's vocabulary before any rank starts, so bad data fails here with its reason. (Under
-    torchrun or SLURM every rank gets here; one builds, the others wait on the cache's
-    lock.)"""
-    if cfg.data_source not in ("hf", "tokens"):
+    """The data source's ``prepare`` hook (``data=hf`` / ``tokens``: build, or find, the token
+    cache and check it against the model's vocabulary) before any rank starts, so bad data
+    fails here with its reason. (Under torchrun or SLURM every rank gets here; one builds, the
+    others wait on the cache's lock.)"""
+    from automodel.data.registry import data_source
+
+    source = data_source(cfg.data_source)
+    if source.prepare is None:
         return
-    from automodel.data.sources import check_vocabulary, token_stream
-    from automodel.data.token_cache import hf_stream
     from automodel.models.builder import hf_config
     from automodel.models.multimodal import text_config
 
+    prepare = source.hook("prepare")
     try:
-        vocab = text_config(hf_config(cfg.model)).vocab_size
-        check_vocabulary(token_stream(cfg.data_source, cfg.data), vocab)
-        if getattr(cfg.data, "eval_split", None) is not None:
-            check_vocabulary(hf_stream(cfg.data, cfg.data.eval_split), vocab)
+        prepare(cfg.data, text_config(hf_config(cfg.model)).vocab_size)
     except ValueError as err:
         raise ConfigError(f"data={cfg.data_source}: {err}") from None
+
+
+def check_resume_checkpoint(cfg: TrainConfig) -> None:
+    """The checkpoint ``checkpoint.resume`` names (or, with ``auto``, the latest complete one in
+    ``checkpoint.dir``) is whole: its metadata reads and no shard file is missing or truncated.
+    (Reading the metadata needs torch.distributed.checkpoint, so this is not a config check;
+    the config checks that an explicit path exists.)"""
+    c = cfg.checkpoint
+    if c.resume is None:
+        return
+    from automodel.checkpoint.paths import checkpoint_root, complete_checkpoints
+
+    key, path = "checkpoint.resume", c.resume
+    if c.resume == "auto":
+        found = complete_checkpoints(checkpoint_root(c.dir, cfg.output_dir))
+        key, path = "checkpoint.resume=auto found", (found[-1] if found else None)
+    if path is None:
+        return
+    from automodel.checkpoint.verify import check_files
+    from automodel.errors import CheckpointError
+
+    try:
+        check_files(path)
+    except CheckpointError as err:
+        raise ConfigError(f"{key}: {err}") from None
+
+
+# What a resolved config must pass before anything starts, in order: what the machine can run,
+# the checkpoint to resume from, what the model can take, then the data. ``preflight`` runs
+# them; nothing else calls them in sequence.
+PREFLIGHT_CHECKS = (
+    ("runtime support", check_runtime_support),
+    ("resume checkpoint", check_resume_checkpoint),
+    ("model layout", check_model_layout),
+    ("data", prepare_data),
+)

@@ -12,6 +12,13 @@ import logging
 import os
 
 
+def submit_env(nodes: int, tasks_per_node: int) -> dict:
+    """The environment a SLURM job's config is resolved in at submit time, before the job
+    exists: the world it will have (nodes x tasks per node), seen from its rank 0."""
+    return {"RANK": "0", "WORLD_SIZE": str(nodes * tasks_per_node),
+            "LOCAL_WORLD_SIZE": str(tasks_per_node), "MASTER_ADDR": "submit-time-check"}
+
+
 def export_rank_environment() -> None:
     """Set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT from SLURM's variables."""
     from submitit.helpers import TorchDistributedEnvironment

@@ -3,11 +3,10 @@ directory, with the parameters ``model.freeze`` names frozen."""
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from torch import nn
 
+from automodel.compat import parameters_on_meta
 from automodel.config.schema import ModelConfig
 from automodel.models.multimodal import auto_class, freeze, text_config
 
@@ -23,31 +22,12 @@ def hf_config(cfg: ModelConfig):
     return AutoConfig.for_model(**cfg.config)
 
 
-@contextlib.contextmanager
-def _parameters_on_meta():
-    """Every parameter registered meanwhile moves to the meta device as it is registered
-    (allocated empty, never initialized); buffers stay real."""
-    register = nn.Module.register_parameter
-
-    def register_on_meta(module, name, param):
-        register(module, name, param)
-        if param is not None and not param.is_meta:
-            module._parameters[name] = nn.Parameter(param.to("meta"),
-                                                    requires_grad=param.requires_grad)
-
-    nn.Module.register_parameter = register_on_meta
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = register
-
-
 def build_meta_model(cfg: ModelConfig) -> nn.Module:
     """The model's structure without weights: parameters on the meta device, buffers (rotary
     frequencies and the like, computed from the config) on the host. For checks before launch,
     and every rank's starting point (``automodel.distributed.materialize``)."""
     config = hf_config(cfg)
-    with _parameters_on_meta():
+    with parameters_on_meta():
         model = auto_class(config).from_config(config, dtype=getattr(torch, cfg.dtype))
     return _finish(model, cfg)
 

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from automodel.compat import direct_parameters, set_parameter
+
 # Inputs built here; any other ``get_image_features`` input without a default is missing.
 KNOWN = {"pixel_values", "image_grid_thw", "image_sizes", "pixel_attention_mask"}
 
@@ -153,10 +155,10 @@ def _features_copy(model: nn.Module, device: str) -> nn.Module:
     if device == "meta":
         return copy.to("meta")
     for name, module in copy.named_modules():
-        for key, param in list(module._parameters.items()):
+        for key, param in direct_parameters(module):
             if param is not None and group_of(f"{name}.{key}") != "language":
-                module._parameters[key] = nn.Parameter(torch.empty_like(param, device="cpu"),
-                                                       requires_grad=False)
+                set_parameter(module, key, nn.Parameter(torch.empty_like(param, device="cpu"),
+                                                        requires_grad=False))
     return copy
 
 

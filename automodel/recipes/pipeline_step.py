@@ -9,6 +9,7 @@ import logging
 import torch
 import torch.distributed as dist
 
+from automodel.compat import defer_reduce_grad, stages_of
 from automodel.data.batches import IGNORE_INDEX
 from automodel.distributed.mesh import MeshAxis
 from automodel.distributed.pipelining.buffer_pool import pool_schedule, recv_buffer_bytes
@@ -53,7 +54,7 @@ class PipelineStep:
         # under sequence parallelism stages pass each TP rank's share of that
         seq_shards = (setup.size(MeshAxis.TP)
                       if getattr(setup.options, "sequence_parallel", False) else 1)
-        shapes = ((p.pp_seq_len // setup.size(MeshAxis.CP), self._activation_dtype(),
+        shapes = ((setup.layout.local_seq_len(p.pp_seq_len), self._activation_dtype(),
                    seq_shards) if p.pp_seq_len else None)
         if setup.autocast_dtype is not None:
             for part in self.parts:
@@ -66,12 +67,12 @@ class PipelineStep:
             self._pool_receive_buffers(parallel.num_stages)
         self._defer_reduce = False
         if p.patch_stage_backward_maybe_with_nosync:
-            for stage in _stages_of(self.schedule):
+            for stage in stages_of(self.schedule):
                 _defer_fsdp_reduce(stage, self)
 
     def _pool_receive_buffers(self, num_stages: int) -> None:
         p = self.setup.pipeline
-        if not pool_schedule(self.schedule, _stages_of(self.schedule), num_stages,
+        if not pool_schedule(self.schedule, stages_of(self.schedule), num_stages,
                              self.n_microbatches, p.pp_recv_buffer_pool_slack):
             log.warning("pipeline.pp_recv_buffer_pool applies to the 1f1b and interleaved_1f1b "
                         "(or dfs) schedules only; ignored for %s",
@@ -79,7 +80,7 @@ class PipelineStep:
 
     def local_recv_buffer_bytes(self) -> int:
         """Receive-buffer bytes of this rank's stages (the step sums them over pp ranks)."""
-        return sum(recv_buffer_bytes(s) for s in _stages_of(self.schedule))
+        return sum(recv_buffer_bytes(s) for s in stages_of(self.schedule))
 
     def _activation_dtype(self) -> torch.dtype:
         """What flows between stages: pipeline.dtype, else FSDP2's parameter dtype, else the
@@ -87,7 +88,7 @@ class PipelineStep:
         p, setup = self.setup.pipeline, self.setup
         if p.dtype is not None:
             return getattr(torch, p.dtype)
-        if setup.strategy == "fsdp2" and setup.mp_policy is not None:
+        if setup.mp_policy is not None:  # (FSDP2's: set by its strategy's check only)
             name = setup.mp_policy.kwargs.get("param_dtype")
             if name is not None:
                 return getattr(torch, name)
@@ -193,18 +194,8 @@ def _forward_under_autocast(part, device_type: str, dtype: torch.dtype) -> None:
     part.forward = autocast_forward
 
 
-def _stages_of(schedule) -> list:
-    return list(getattr(schedule, "_stages", None) or [schedule._stage])
-
-
 def _defer_fsdp_reduce(stage, step: PipelineStep) -> None:
     """pipeline.patch_stage_backward_maybe_with_nosync: when one optimizer step runs several
     schedule steps (pp_batch_size < the per-rank batch), keep FSDP's gradients unreduced
     until the last one instead of reduce-scattering after each."""
-    reduce = stage.perform_reduce_grad
-
-    def maybe_reduce(grad_scale_factor):
-        if not step._defer_reduce:
-            reduce(grad_scale_factor)
-
-    stage.perform_reduce_grad = maybe_reduce
+    defer_reduce_grad(stage, lambda: step._defer_reduce)

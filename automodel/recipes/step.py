@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 
+from automodel.compat import foreach_mul_, foreach_norm, packed_sequence_finder
 from automodel.data.batches import IGNORE_INDEX
 from automodel.distributed.setup import DistributedSetup
 from automodel.loss import summed_cross_entropy
@@ -76,20 +77,8 @@ def known_packing(packed: bool = False):
     positions ``0..L-1``, for which the answer is "none"; rows packed with boundaries
     (``data.pack_boundaries``, positions restarting at each document) get the document of
     every token, which keeps attention inside documents."""
-    try:
-        from transformers import masking_utils
-    except ImportError:
-        masking_utils = None
-    original = getattr(masking_utils, "find_packed_sequence_indices", None)
-    if original is None:
+    with packed_sequence_finder(_packed_sequences if packed else _no_packed_sequences):
         yield
-        return
-    masking_utils.find_packed_sequence_indices = (_packed_sequences if packed
-                                                  else _no_packed_sequences)
-    try:
-        yield
-    finally:
-        masking_utils.find_packed_sequence_indices = original
 
 
 def _all_reduce_sum(t: torch.Tensor, group) -> torch.Tensor:
@@ -99,19 +88,19 @@ def _all_reduce_sum(t: torch.Tensor, group) -> torch.Tensor:
 
 
 def grad_sync_context(model, setup: DistributedSetup, is_last: bool):
-    """Skip the gradient reduce on all but the last micro-batch where the strategy allows.
+    """Skip the gradient reduce on all but the last micro-batch where the strategy allows:
+    its ``GradSync.defer`` hook (``config/strategies.py``; DDP's ``no_sync``, FSDP2's
+    ``set_requires_gradient_sync``, ...). A strategy without one reduces every micro-batch."""
+    sync = setup.strategy.grad_sync
+    context = None if sync.defer is None else setup.strategy.hook("defer")(model, setup, is_last)
+    return contextlib.nullcontext() if context is None else context
 
-    Not under DDP's ``static_graph``: torch's reducer does not support ``no_sync`` there (the
-    first backward fails an internal assert; past it, later steps stop reducing). Every
-    micro-batch's backward reduces instead; each adds the average of its gradients to the
-    already averaged sum of the earlier ones, so the result is the same."""
-    if setup.strategy == "ddp" and not is_last and not setup.options.static_graph:
-        return model.no_sync()
-    if setup.strategy == "fsdp2" and setup.options.defer_fsdp_grad_sync:
-        model.set_requires_gradient_sync(is_last)
-    if setup.strategy == "megatron_fsdp" and not is_last:
-        return model.no_sync()
-    return contextlib.nullcontext()
+
+def finish_grad_sync(model, setup: DistributedSetup) -> None:
+    """After the last micro-batch's backward, before clipping: the strategy's
+    ``GradSync.finish`` (megatron-fsdp waits for its reduction still running)."""
+    if setup.strategy.grad_sync.finish is not None:
+        setup.strategy.hook("finish")(model, setup)
 
 
 def autocast_context(setup: DistributedSetup):
@@ -119,15 +108,6 @@ def autocast_context(setup: DistributedSetup):
     if dtype is None:
         return contextlib.nullcontext()
     return torch.autocast(device_type=setup.device.type, dtype=dtype)
-
-
-def _ddp_hint(err: RuntimeError) -> RuntimeError:
-    text = str(err)
-    if "Expected to have finished reduction" in text or "did not receive grad" in text:
-        return RuntimeError("DDP found parameters that received no gradient (a branch of the "
-                            "model was not used). Set parallelism.find_unused_parameters=true."
-                            f"\n{text}")
-    return err
 
 
 def grad_norm_and_clip(parameters, max_grad_norm, across_group=None,
@@ -153,7 +133,7 @@ def grad_norm_and_clip(parameters, max_grad_norm, across_group=None,
     device = next(iter(groups.values()))[0].device if groups else torch.device("cpu")
     partial_norms = []
     for grads in counted.values():
-        norms = torch._foreach_norm(grads, 2.0)
+        norms = foreach_norm(grads, 2.0)
         group_norm = torch.linalg.vector_norm(torch.stack(norms), 2.0)
         if isinstance(group_norm, DTensor):
             group_norm = group_norm.full_tensor()
@@ -167,7 +147,7 @@ def grad_norm_and_clip(parameters, max_grad_norm, across_group=None,
     if max_grad_norm is not None:
         coef = torch.clamp(max_grad_norm / (total + 1e-6), max=1.0)
         for grads in groups.values():
-            torch._foreach_mul_(grads, coef.to(grads[0].device))
+            foreach_mul_(grads, coef.to(grads[0].device))
     return total
 
 
@@ -258,12 +238,11 @@ def train_step(model, setup: DistributedSetup, micro_batches, max_grad_norm,
                 with record_function("automodel::backward"):
                     objective.backward()
         except RuntimeError as err:
-            if setup.strategy == "ddp":
-                raise _ddp_hint(err) from err
+            if setup.strategy.backward_error is not None:  # (DDP: parameters without grads)
+                raise setup.strategy.hook("backward_error")(err) from err
             raise
         sums[0] += mb_loss.detach().to(torch.float64)
-    if setup.strategy == "megatron_fsdp":
-        model.finish_grad_sync()  # its gradient reduction runs on; clipping needs it done
+    finish_grad_sync(model, setup)
     with record_function("automodel::clip"):
         grad_norm = grad_norm_and_clip(model.parameters(), max_grad_norm)
     sums = _all_reduce_sum(sums, group)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 
-from automodel.launch.failure import FileWriteError
+from automodel.errors import FileWriteError
 
 
 class MetricsWriter:

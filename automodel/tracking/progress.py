@@ -16,6 +16,7 @@ class Progress:
     def __init__(self, total_steps: int, enabled: bool, stream=None, initial: int = 0):
         self.stream = stream or sys.stderr
         self.bar = None
+        self.eval_loss: float | None = None  # shown from the first evaluation on
         if enabled and self.stream.isatty():
             from tqdm import tqdm
 
@@ -39,9 +40,9 @@ class Progress:
         if self.bar is None:
             return
         if eval_loss is not None:
-            self.eval_loss = eval_loss  # shown from the evaluation on
+            self.eval_loss = eval_loss
         postfix = {"loss": f"{loss:.4f}", "tok/s": f"{tokens_per_second:.0f}"}
-        if getattr(self, "eval_loss", None) is not None:
+        if self.eval_loss is not None:
             postfix["eval"] = f"{self.eval_loss:.4f}"
         if peak_memory_bytes is not None:
             postfix["mem"] = f"{peak_memory_bytes / 2**20:.0f}MiB"

@@ -47,7 +47,7 @@ def init_kwargs(cfg: WandbConfig, output_dir: str, resolved: dict, choices: dict
     for key, var in (("mode", "WANDB_MODE"), ("entity", "WANDB_ENTITY")):
         value = getattr(cfg, key) or env.get(var)
         if value:
-            kwargs[key] = value
+            kwargs[key] = str(value)  # (mode: a WandbMode member; wandb takes the string)
     kwargs["project"] = cfg.project or env.get("WANDB_PROJECT") or DEFAULT_PROJECT
     kwargs["dir"] = cfg.dir or env.get("WANDB_DIR") or output_dir
     group = cfg.group or (os.path.basename(os.path.normpath(sweep_dir)) if sweep_dir else None)

@@ -44,7 +44,7 @@ def no_torch_env(tmp_path):
 
 
 # A machine without a visible GPU, on any machine: CUDA sees none, nor does config resolution
-# (automodel.launch.env.visible_gpu_count reads the variable as CUDA does).
+# (automodel.config.launch_env.visible_gpu_count reads the variable as CUDA does).
 NO_GPU = {"CUDA_VISIBLE_DEVICES": ""}
 
 

@@ -4,7 +4,7 @@ faked: its GPU count is a probe (tests/conftest.py makes it 0 for every other te
 
 import pytest
 
-from automodel.launch.env import detect_launch_env, nvidia_device_files, visible_gpu_count
+from automodel.config.launch_env import detect_launch_env, nvidia_device_files, visible_gpu_count
 from tests.config.test_resolve import cfg, error
 
 # fast: no process, no process group (pytest -m fast)
@@ -20,7 +20,7 @@ SRUN_TASK = {"SLURM_STEP_ID": "0", "SLURM_NTASKS": "16", "SLURM_STEP_NUM_TASKS":
 def machine(monkeypatch):
     """machine(n): from now on this machine has n GPUs (n device files /dev/nvidia<N>)."""
     def set_gpus(n: int):
-        monkeypatch.setattr("automodel.launch.env.gpu_device_probe", lambda: n)
+        monkeypatch.setattr("automodel.config.launch_env.gpu_device_probe", lambda: n)
     return set_gpus
 
 

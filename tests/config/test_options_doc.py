@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 
 from automodel.config import schema as s
+from automodel.config import strategies
 from automodel.config.store import SCHEMAS
+from automodel.data.registry import SHIPPED
 
 pytestmark = pytest.mark.fast
 
@@ -20,17 +22,10 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "options.md"
 PREFIXES = {
     s.DistributedConfig: "distributed",
     s.MeshConfig: "mesh",
-    s.SingleProcessConfig: "parallelism",
-    s.DDPConfig: "parallelism",
-    s.FSDP2Config: "parallelism",
-    s.MegatronFSDPConfig: "parallelism",
+    **{entry.schema: "parallelism" for entry in strategies.SHIPPED},  # (config/strategies.py)
     s.PipelineConfig: "pipeline",
     s.ModelConfig: "model",
-    s.CorpusDataConfig: "data",
-    s.SyntheticDataConfig: "data",
-    s.FilesDataConfig: "data",
-    s.HFDataConfig: "data",
-    s.TokensDataConfig: "data",
+    **{source.schema: "data" for source in SHIPPED},  # (data/registry.py)
     s.OptimConfig: "optim",
     s.TrainerConfig: "trainer",
     s.CheckpointConfig: "checkpoint",
@@ -110,3 +105,20 @@ def test_the_check_sees_a_missing_entry():
     assert "parallelism.bucket_cap_mb" in all_option_keys() - documented_keys(without)
     # a key mentioned only in running text is not an entry
     assert "mesh.dp_size" not in documented_keys("Set `mesh.dp_size` to 2.")
+
+
+@pytest.mark.fast
+def test_readme_lists_every_config_group_file():
+    """The README's config-group paragraph names every file of every group in conf/."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    text = (root / "README.md").read_text()
+    start = text.index("Config groups (`conf/`)")
+    paragraph = text[start:text.index("\n\n", start)]
+    named = set(re.findall(r"`([\w/]+)`", paragraph))
+    missing = [f"{group.name}/{f.stem}" for group in sorted((root / "conf").iterdir())
+               if group.is_dir() and group.name != "hydra"
+               for f in sorted(group.glob("*.yaml")) if f.stem not in named]
+    assert not missing, f"README.md's config-group list lacks {missing}"

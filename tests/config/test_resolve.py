@@ -1,5 +1,6 @@
 """Every validation rule of the resolve boundary, through real Hydra composition."""
 
+import dataclasses
 import logging
 
 import pytest
@@ -35,7 +36,11 @@ def test_default_world_is_two_ranks_for_data_parallel_strategies():
 
 def test_hsdp_defaults_to_a_2x2_mesh():
     c = cfg("parallelism=hsdp")
-    assert c.strategy == "fsdp2"
+    from automodel.config.strategies import strategy
+
+    # its own entry (config/strategies.py), FSDP2's wrap and options
+    assert c.strategy.name == "hsdp" and c.strategy.wrap == strategy("fsdp2").wrap
+    assert dataclasses.asdict(c.parallelism) == dataclasses.asdict(cfg().parallelism)
     assert (c.mesh.dp_replicate_size, c.mesh.dp_size, c.world_size) == (2, 4, 4)
 
 

@@ -14,11 +14,10 @@ import pytest
 import torch
 
 from automodel.api import run as api_run
-from automodel.checkpoint.errors import CheckpointError
 from automodel.checkpoint.hf_export import load_full_model_state
 from automodel.checkpoint.paths import checkpoint_path, complete_checkpoints
 from automodel.config.build import ConfigError
-from automodel.launch.errors import LaunchError
+from automodel.errors import CheckpointError, LaunchError
 from automodel.tracking.metrics import read_metrics
 from tests.helpers import BASE, ON_CPU, train
 

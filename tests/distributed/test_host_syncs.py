@@ -3,7 +3,7 @@
 On a GPU every ``.item()``, ``float(t)``, ``int(t)``, ``.tolist()`` or Python branch on a tensor
 makes the host wait until the GPU has caught up. CI has no GPU, so CUDA synchronizations cannot
 be counted here; this instrumentation stands in for them: during the runner's real training
-loop (``automodel.recipes.train``), every such read of a tensor value on the host is counted,
+loop (``automodel.recipes.loop``), every such read of a tensor value on the host is counted,
 per step, on CPU. Counted: ``Tensor.item``, ``tolist``, ``numpy``, ``__array__``, ``__float__``,
 ``__int__``, ``__index__``, ``__bool__``, ``__complex__`` (so also ``math.isfinite(t)``,
 ``if t:``, ``f"{t}"``) and ``Tensor.cpu`` of a tensor not already on the CPU.
@@ -92,7 +92,7 @@ class HostReads:
 def _instrument_runner(reads: HostReads):
     """Patch the runner's Faults (step boundaries) and Optimizers (not counted); returns an
     undo function."""
-    import automodel.recipes.train as runner
+    import automodel.recipes.components as runner  # (where the runner builds them)
 
     saved = (runner.Faults, runner.Optimizers)
 
@@ -127,7 +127,7 @@ def _run_counted(overrides, output_dir):
     cfg = load_config(BASE + ON_CPU + [f"trainer.max_steps={STEPS}", "trainer.log_every=1"]
                       + list(overrides), str(output_dir))
     info = init_distributed(cfg.distributed.backend, cfg.distributed.timeout_minutes,
-                            need_group=cfg.strategy != "none")
+                            need_group=not cfg.strategy.one_process)
     reads = HostReads()
     undo = _instrument_runner(reads)
     reads.install()

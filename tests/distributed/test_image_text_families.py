@@ -119,13 +119,13 @@ def _batch(cfg):
 def _one_step(cfg, setup, data, rows):
     from automodel.models.builder import build_model
     from automodel.parallelize import parallelize
+    from automodel.recipes.components import initial_model
     from automodel.recipes.step import train_step
-    from automodel.recipes.train import _initial_model
 
     if setup.mesh is None:  # one process: the model built whole, as a lone process does
         parts = parallelize(build_model(cfg.model, cfg.trainer.seed), setup)
     else:  # the ranks' path: meta-device model, this rank's shards filled after sharding
-        model, fill = _initial_model(cfg, setup.dist)
+        model, fill = initial_model(cfg, setup.dist)
         parts = parallelize(model, setup, fill)
     stats = train_step(parts.parts[0], setup, [data[rows].split()], None,
                        head_loss=parts.head_loss)

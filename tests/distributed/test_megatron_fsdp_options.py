@@ -109,11 +109,12 @@ def _up_to_the_wrap(rank, world, cfg):
     from automodel.distributed.init import DistInfo
     from automodel.distributed.materialize import full_initial_state
     from automodel.parallelize import parallelize
-    from automodel.recipes.train import _initial_model, build_setup
+    from automodel.recipes.components import initial_model
+    from automodel.recipes.train import build_setup
 
     info = DistInfo("gloo", torch.device("cpu"), rank, world, rank)
     setup = build_setup(cfg, info)
-    model, fill = _initial_model(cfg, info)
+    model, fill = initial_model(cfg, info)
     part = parallelize(model, setup, fill).parts[0]
     # what fully_shard receives
     facts = {"meta": all(p.is_meta for p in part.parameters()),

@@ -15,6 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from automodel.api import load_config
 from automodel.distributed.init import DistInfo
 from automodel.parallelize import parallelize
+from automodel.recipes import components
 from automodel.recipes import train as runner
 from tests.distributed.test_parity import assert_matches
 from tests.helpers import FP32, run_on_ranks, train
@@ -31,16 +32,16 @@ def _build(rank, world, overrides):
     info = DistInfo("gloo", torch.device("cpu"), rank, world, rank)
     setup = runner.build_setup(cfg, info)
     full_builds = []
-    real_source = runner.full_initial_state
+    real_source = components.full_initial_state
 
     def counting_source(model_cfg, seed):
         full_builds.append(rank)
         return real_source(model_cfg, seed)
 
-    runner.full_initial_state = counting_source  # count who builds the whole model
+    components.full_initial_state = counting_source  # count who builds the whole model
     seen = {}
     try:
-        model, fill = runner._initial_model(cfg, info)
+        model, fill = components.initial_model(cfg, info)
         before = _rss_bytes()  # (after the imports the meta build needed)
 
         def inspecting_fill(parts):
@@ -58,7 +59,7 @@ def _build(rank, world, overrides):
         grown = _rss_bytes() - before
         dist.barrier()
     finally:
-        runner.full_initial_state = real_source
+        components.full_initial_state = real_source
     return dict(seen, local=local, full=full, meta_after=meta_after, full_builds=full_builds,
                 grown=grown)
 

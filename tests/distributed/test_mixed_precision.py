@@ -102,20 +102,21 @@ def _one_step(rank, world, runs):
     from automodel.data.sources import training_data
     from automodel.distributed.init import DistInfo
     from automodel.parallelize import parallelize
+    from automodel.recipes import components
     from automodel.recipes import train as runner
     from automodel.recipes.router_loss import RouterLoss
     from automodel.recipes.step import train_step
 
     warnings.filterwarnings("ignore")
-    runner.build_meta_model = _cached(runner.build_meta_model, copy.deepcopy)
-    runner.full_initial_state = _cached(runner.full_initial_state, dict)  # (emptied by use)
+    components.build_meta_model = _cached(components.build_meta_model, copy.deepcopy)
+    components.full_initial_state = _cached(components.full_initial_state, dict)  # (emptied by use)
     data, results = {}, []
     for overrides in runs:
         cfg = load_config(BASE + ["parallelism=fsdp2", "trainer.local_batch_size=4",
                                   f"distributed.nproc_per_node={world}"] + overrides)
         info = DistInfo("gloo", torch.device("cpu"), rank, world, rank)
         setup = runner.build_setup(cfg, info)
-        model, fill = runner._initial_model(cfg, info)
+        model, fill = components.initial_model(cfg, info)
         router_loss = RouterLoss.of(model)
         seen = _observe(model)
         parallel = parallelize(model, setup, fill)

@@ -43,7 +43,8 @@ def _job(rank, world, out):
     from automodel.api import load_config
     from automodel.distributed.init import init_distributed
     from automodel.distributed.mesh import build_mesh
-    from automodel.launch.errors import TrainingStopped
+    from automodel.errors import TrainingStopped
+    from automodel.recipes import components
     from automodel.recipes import train as runner
 
     cfg = load_config(RUN, out, env={})  # (env: not the 3-rank job's torchrun variables)
@@ -61,13 +62,13 @@ def _job(rank, world, out):
         store.wait([DONE], datetime.timedelta(minutes=10))
         return None
 
-    class SignalOneRank(runner.Faults):
+    class SignalOneRank(components.Faults):
         def before_step(self, step):
             super().before_step(step)
             if step == STOP_AFTER and self.rank == 1:  # (the rank within the model's group)
                 os.kill(os.getpid(), signal.SIGUSR1)
 
-    runner.Faults = SignalOneRank
+    components.Faults = SignalOneRank
     tied = _tied_grads(pp_mesh, dist.get_rank(pp_mesh.group))
     info = init_distributed(cfg.distributed.backend, cfg.distributed.timeout_minutes,
                             need_group=True)

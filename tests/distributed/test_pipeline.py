@@ -2,7 +2,7 @@
 
 import pytest
 
-from automodel.distributed.pipelining.layout import SCHEDULE_SHAPES, canonical_schedule
+from automodel.config.pipeline_layout import SCHEDULE_SHAPES, canonical_schedule
 from automodel.distributed.pipelining.schedule import SCHEDULES, schedule_spec
 from tests.distributed.test_parity import assert_close_to_fp32, assert_matches, assert_same_steps
 from tests.helpers import FP32, train, write_schedule_csv

@@ -109,12 +109,14 @@ def _one_step(rank, world, configs):
     import warnings
 
     from automodel.api import load_config
+    from automodel.compat import stages_of as _stages_of
     from automodel.data.batches import BatchPlan
     from automodel.data.sources import training_data
     from automodel.distributed.init import DistInfo
     from automodel.parallelize import parallelize
+    from automodel.recipes import components
     from automodel.recipes import train as runner
-    from automodel.recipes.pipeline_step import PipelineStep, _stages_of
+    from automodel.recipes.pipeline_step import PipelineStep
     from automodel.recipes.router_loss import RouterLoss
     from automodel.recipes.step import train_step
 
@@ -125,7 +127,7 @@ def _one_step(rank, world, configs):
         cfg = load_config(BASE + [f"distributed.nproc_per_node={world}"] + overrides)
         info = DistInfo("gloo", torch.device("cpu"), rank, world, rank)
         setup = runner.build_setup(cfg, info)
-        model, fill = runner._initial_model(cfg, info)
+        model, fill = components.initial_model(cfg, info)
         router_loss = RouterLoss.of(model)
         parallel = parallelize(model, setup, fill)
         t = cfg.trainer

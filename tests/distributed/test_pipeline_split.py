@@ -3,8 +3,8 @@
 import pytest
 import torch
 
+from automodel.config.pipeline_layout import count_stages, stage_layer_ranges
 from automodel.config.schema import ModelConfig
-from automodel.distributed.pipelining.layout import count_stages, stage_layer_ranges
 from automodel.distributed.pipelining.schedule import schedule_spec, stages_of_rank
 from automodel.distributed.pipelining.split import (
     StageContents,

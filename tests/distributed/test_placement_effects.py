@@ -28,6 +28,7 @@ def parallel_model(rank, world, overrides):
     from automodel.api import load_config
     from automodel.distributed.init import DistInfo
     from automodel.parallelize import parallelize
+    from automodel.recipes import components
     from automodel.recipes import train as runner
 
     cfg = load_config(BASE + ["parallelism=fsdp2", FP32, f"distributed.nproc_per_node={world}",
@@ -35,7 +36,7 @@ def parallel_model(rank, world, overrides):
                       + overrides)
     info = DistInfo("gloo", torch.device("cpu"), rank, world, rank)
     setup = runner.build_setup(cfg, info)
-    model, fill = runner._initial_model(cfg, info)
+    model, fill = components.initial_model(cfg, info)
     return cfg, setup, parallelize(model, setup, fill)
 
 

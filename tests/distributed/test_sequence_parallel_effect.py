@@ -97,13 +97,14 @@ def _build_and_step(rank, world, cfg):
     from automodel.distributed.init import DistInfo
     from automodel.distributed.mesh import MeshAxis
     from automodel.parallelize import parallelize
+    from automodel.recipes.components import initial_model
     from automodel.recipes.step import device_batches, forward_loss
-    from automodel.recipes.train import _initial_model, build_setup
+    from automodel.recipes.train import build_setup
 
     inductor_config._micro_pipeline_tp = False  # (a fresh value for each layout)
     info = DistInfo("gloo", torch.device("cpu"), rank, world, rank)  # (CPU, whatever the box)
     setup = build_setup(cfg, info)
-    model, fill = _initial_model(cfg, info)
+    model, fill = initial_model(cfg, info)
     parallel = parallelize(model, setup, fill)
     part = parallel.parts[0]
     tp_group = setup.mesh[MeshAxis.TP].get_group().group_name
@@ -153,7 +154,7 @@ def observed(tmp_path_factory):
     logger.addHandler(keep)
     # (module scope comes before conftest's _no_gpus: the same CPU-machine probe, here)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("automodel.launch.env.gpu_device_probe", lambda: 0)
+        mp.setattr("automodel.config.launch_env.gpu_device_probe", lambda: 0)
         try:
             cfgs, config_logs = {}, {}
             for name, overrides in LAYOUTS.items():
@@ -192,7 +193,7 @@ def test_sequence_parallel_shards_the_sequence_between_regions(observed, layout)
     """With sequence parallelism the residual stream between TP regions is a DTensor sharded
     on the sequence (``Shard(1)``): each rank holds half the tokens at every block boundary
     and runs the norms on them; each attention/MLP region gathers the whole sequence on
-    entry. Async TP turns sequence parallelism on (``check_tensor_parallel``)."""
+    entry. Async TP turns sequence parallelism on (``resolve_sequence_parallel``)."""
     sharded = (("S(1)",), HALF, FULL)
     for seen in observed:
         sp = seen[layout]

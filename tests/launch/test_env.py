@@ -2,7 +2,7 @@
 
 import pytest
 
-from automodel.launch.env import detect_launch_env
+from automodel.config.launch_env import detect_launch_env
 
 # fast: no process, no process group (pytest -m fast)
 pytestmark = pytest.mark.fast

@@ -4,10 +4,10 @@ import pytest
 import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
+from automodel.compat import is_packed_sequence_patched, patch_is_packed_sequence
 from automodel.config.schema import ModelConfig, SingleProcessConfig
 from automodel.distributed.compile import apply_compile
 from automodel.distributed.init import DistInfo
-from automodel.distributed.patches import is_packed_sequence_patched, patch_is_packed_sequence
 from automodel.distributed.setup import DistributedSetup
 from automodel.models.builder import build_model
 from automodel.models.parts import block_fqns, layer_groups, select_blocks

@@ -10,9 +10,9 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from automodel.api import load_config
 from automodel.config.build import ConfigError
+from automodel.config.tp_styles import TP_STYLE_NAMES, TP_STYLES, style_problem
 from automodel.launch.preflight import check_model_layout
 from automodel.models.anatomy import AnatomyError, find_anatomy
-from automodel.models.tp_styles import TP_STYLE_NAMES, TP_STYLES, style_problem
 
 pytestmark = pytest.mark.fast
 

@@ -18,11 +18,11 @@ the backward, so a buffer is free again as soon as its micro-batch has been read
 from __future__ import annotations
 
 import torch
-from torch.distributed.pipelining.schedules import (
-    Schedule1F1B,
-    ScheduleInterleaved1F1B,
-    _ComputationType,
-)
+from torch.distributed.pipelining.schedules import Schedule1F1B, ScheduleInterleaved1F1B
+
+from automodel.compat import computation_types, wrap_recv_methods
+
+_ComputationType = computation_types()
 
 _CONSUMERS = {  # receive -> the computations that read its buffer
     _ComputationType.RECV_F: (_ComputationType.FORWARD,),
@@ -116,30 +116,25 @@ def install_recv_buffer_pool(stage, forward_owners: dict[int, int],
     """Patch one ``PipelineStage`` instance so micro-batch ``k`` receives activations into
     the buffers of ``forward_owners[k]`` and gradients into those of ``backward_owners[k]``
     (absent keys keep their own)."""
-    setup_forward = stage._setup_forward_recv_info
-    setup_backward = stage._setup_backward_recv_info
-    retrieve_activations = stage._retrieve_recv_activations
-    retrieve_grads = stage._retrieve_recv_grads
 
-    def pooled_forward_setup(num_microbatches, has_backward):
+    def pooled_forward_setup(setup_forward, num_microbatches, has_backward):
         setup_forward(num_microbatches, has_backward)
         _share(stage.args_recv_info, forward_owners)
 
-    def pooled_backward_setup(num_microbatches):
+    def pooled_backward_setup(setup_backward, num_microbatches):
         setup_backward(num_microbatches)
         _share(stage.grad_recv_info, backward_owners)
 
-    def activations_as_leaves(fwd_chunk_id):
+    def activations_as_leaves(retrieve_activations, fwd_chunk_id):
         return tuple(a.detach().clone().requires_grad_(a.requires_grad)
                      for a in retrieve_activations(fwd_chunk_id))
 
-    def copied_grads(bwd_chunk_id):
+    def copied_grads(retrieve_grads, bwd_chunk_id):
         return tuple(None if g is None else g.clone() for g in retrieve_grads(bwd_chunk_id))
 
-    stage._setup_forward_recv_info = pooled_forward_setup
-    stage._setup_backward_recv_info = pooled_backward_setup
-    stage._retrieve_recv_activations = activations_as_leaves
-    stage._retrieve_recv_grads = copied_grads
+    wrap_recv_methods(stage, forward_setup=pooled_forward_setup,
+                      backward_setup=pooled_backward_setup, activations=activations_as_leaves,
+                      grads=copied_grads)
 
 
 def recv_buffer_bytes(stage) -> int:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from torch.distributed.pipelining import schedules as S
 
-from automodel.distributed.pipelining.layout import SCHEDULE_SHAPES, canonical_schedule
+from automodel.config.pipeline_layout import SCHEDULE_SHAPES, canonical_schedule
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,8 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from automodel.distributed.pipelining.layout import stage_layer_ranges
+from automodel.compat import child_module
+from automodel.config.pipeline_layout import stage_layer_ranges
 from automodel.models.anatomy import Anatomy
 
 
@@ -60,7 +61,7 @@ class _OwnedCall:
 
     def __call__(self, *args, **kwargs):
         sl = self._stage_layers
-        layer = sl._modules[str(self._index)]
+        layer = child_module(sl, str(self._index))
         if self._index == sl.first and sl.stage_input is not None:
             x, sl.stage_input = sl.stage_input, None
             if args:
@@ -73,7 +74,7 @@ class _OwnedCall:
         return out
 
     def __getattr__(self, name):
-        return getattr(self._stage_layers._modules[str(self._index)], name)
+        return getattr(child_module(self._stage_layers, str(self._index)), name)
 
 
 def _simple_attrs(layer: nn.Module) -> dict:

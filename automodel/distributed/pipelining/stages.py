@@ -6,8 +6,8 @@ import torch
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
-from automodel.distributed.pipelining.csv_schedule import read_csv_layout
-from automodel.distributed.pipelining.layout import count_stages
+from automodel.config.pipeline_csv import read_csv_layout
+from automodel.config.pipeline_layout import count_stages
 from automodel.distributed.pipelining.schedule import schedule_spec, stages_of_rank
 from automodel.distributed.pipelining.split import build_stage, contents_from_fqns, even_contents
 from automodel.imports import load_object
@@ -133,12 +133,10 @@ def build_schedule(parts, stage_ids, num_stages, pipeline, device, pp_group, n_m
     kwargs = dict(n_microbatches=n_microbatches, loss_fn=loss,
                   scale_grads=pipeline.scale_grads_in_schedule)
     if pipeline.pp_schedule_csv is not None:
-        from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
+        from automodel.compat import csv_schedule
 
-        schedule = _PipelineScheduleRuntime(stages, **kwargs)
-        schedule._load_csv(pipeline.pp_schedule_csv,
-                           format=read_csv_layout(pipeline.pp_schedule_csv).format)
-        return schedule
+        return csv_schedule(stages, pipeline.pp_schedule_csv,
+                            read_csv_layout(pipeline.pp_schedule_csv).format, **kwargs)
     spec = schedule_spec(pipeline.pp_schedule)
     if spec.multi_stage:
         return spec.cls(stages, **kwargs)

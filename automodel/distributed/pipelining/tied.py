@@ -16,11 +16,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from automodel.compat import local_tensor
 from automodel.distributed.mesh import MeshAxis
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if isinstance(t, DTensor) else t
+    return local_tensor(t) if isinstance(t, DTensor) else t
 
 
 class TiedEmbeddingSync:

@@ -1,0 +1,127 @@
+"""Internals of torch.distributed (process groups, meshes, DTensor, pipelining, checkpoint) and
+inductor that automodel patches or reads."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+
+from automodel.compat.core import Internal
+
+_C10D = "torch.distributed.distributed_c10d"
+
+
+def _gloo_options():
+    import torch.distributed as dist
+
+    return dist.ProcessGroupGloo._Options()
+
+
+INTERNALS = [
+    Internal(_C10D, "_set_pg_timeout", "distributed.timeout_minutes (the timeout lowered "
+             "after start-up, raised around saves)", patched=False,
+             params=("timeout", "group")),
+    Internal(_C10D, "_world.pg_map", "distributed.timeout_minutes (every group of the rank)",
+             patched=False, kind=dict),
+    Internal("torch.distributed", "ProcessGroupGloo._Options", "distributed.timeout_minutes "
+             "(the timeout of every mesh sub-group)", patched=False, params=()),
+    Internal("torch.distributed.ProcessGroupGloo._Options()", "_timeout",
+             "distributed.timeout_minutes (the timeout of every mesh sub-group)",
+             probe=_gloo_options, kind=datetime.timedelta),
+    Internal("torch.distributed.device_mesh", "DeviceMesh._get_mesh_tensor_from_full_mesh",
+             "several models in one job (a mesh built on ranks outside it)",
+             params=("full_mesh", "current_rank")),
+    Internal("torch.distributed.device_mesh", "DeviceMesh._flatten", "the flattened mesh "
+             "axes (dp_shard_cp, dp_cp, ...)", patched=False,
+             params=("self", "mesh_dim_name", "backend_override")),
+    Internal("torch._inductor.config", "_micro_pipeline_tp",
+             "parallelism.enable_async_tensor_parallel", kind=bool),
+    Internal("torch.distributed._symmetric_memory", "enable_symm_mem_for_group",
+             "parallelism.enable_async_tensor_parallel (CUDA)", patched=False,
+             params=("group_name",)),
+    Internal("torch.distributed.tensor", "DTensor._local_tensor", "copying into a DTensor's "
+             "shard in place (loading weights, tied pipeline embeddings)", patched=False),
+    Internal("torch.distributed.tensor._utils", "compute_local_shape_and_global_offset",
+             "loading weights into sharded parameters", patched=False,
+             params=("global_shape", "mesh", "placements")),
+    Internal("torch.distributed.checkpoint._nested_dict", "flatten_state_dict",
+             "checkpoint save and resume (flat state keys)", patched=False,
+             params=("state_dict",)),
+]
+
+
+def set_all_group_timeouts(timeout: datetime.timedelta) -> None:
+    """Give every process group of this rank (default, mesh and sub-groups) ``timeout``."""
+    from torch.distributed import distributed_c10d as c10d
+
+    for pg in list(c10d._world.pg_map):
+        c10d._set_pg_timeout(timeout, pg)
+
+
+def new_gloo_options():
+    """Options for a new gloo group (``new_group``, ``DeviceMesh``)."""
+    return _gloo_options()
+
+
+def set_options_timeout(opts, timeout: datetime.timedelta) -> None:
+    """Set ``timeout`` on process-group options (gloo's private or NCCL's public ones)."""
+    opts._timeout = timeout
+
+
+@contextlib.contextmanager
+def building_mesh_outside_this_rank():
+    """While this rank builds a DeviceMesh it is not part of (another model's mesh, in a job
+    that holds several models): torch creates each process group of a mesh with every rank of
+    the job, so this rank must build the mesh too. Torch keeps such a rank outside (no
+    coordinate, no groups), but slicing or flattening a mesh of several rows asks for the row
+    that holds this rank, and raises. Any row serves its checks there (sizes only): the first."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    original = DeviceMesh.__dict__["_get_mesh_tensor_from_full_mesh"]
+
+    def any_row(full_mesh, current_rank=None):
+        try:
+            return original.__func__(full_mesh, current_rank)
+        except RuntimeError:  # (this rank holds no row)
+            return full_mesh[0]
+
+    DeviceMesh._get_mesh_tensor_from_full_mesh = staticmethod(any_row)
+    try:
+        yield
+    finally:
+        DeviceMesh._get_mesh_tensor_from_full_mesh = original
+
+
+def enable_micro_pipeline_tp() -> None:
+    """Let inductor overlap TP collectives with matmuls in compiled regions."""
+    import torch._inductor.config as inductor_config
+
+    inductor_config._micro_pipeline_tp = True
+
+
+def enable_symmetric_memory(group_name: str) -> None:
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+    enable_symm_mem_for_group(group_name)
+
+
+def flatten_mesh(mesh, name: str, backend_override):
+    """One flattened view of ``mesh`` (all its axes), named ``name``."""
+    return mesh._flatten(name, backend_override=backend_override)
+
+
+def local_tensor(t):
+    """A DTensor's local shard itself (not a view through autograd, as ``to_local`` gives)."""
+    return t._local_tensor
+
+
+def local_shape_and_offset(shape, mesh, placements):
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    return compute_local_shape_and_global_offset(shape, mesh, placements)
+
+
+def flatten_state_dict(state: dict):
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict as flatten
+
+    return flatten(state)

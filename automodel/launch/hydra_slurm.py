@@ -1,0 +1,73 @@
+"""``hydra/launcher=slurm`` at submit time: each job of the sweep is preflighted before any is
+queued.
+
+Hydra calls the launcher's ``launch`` (``hydra_plugins/automodel_launcher``) in the submitting
+process with every job of the sweep. Each job's config is composed as its SLURM tasks will
+compose it, resolved against the world the job will have (``nodes`` x ``tasks_per_node``) and
+put through ``automodel.launch.preflight.preflight``; one that fails stops the whole sweep,
+with exit code 2, before any job is queued. The tasks run the preflight again
+(``automodel/cli.py``), on the machine they run on.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Sequence
+
+
+def preflight_sweep(launcher, job_overrides: Sequence[Sequence[str]],
+                    initial_job_idx: int) -> None:
+    """Preflight every job ``launcher`` (a submitit ``SlurmLauncher``, set up by Hydra) is
+    about to submit; exit 2 with the first refusal."""
+    from automodel.config.build import ConfigError
+
+    for idx, overrides in enumerate(job_overrides, start=initial_job_idx):
+        try:
+            preflight_job(launcher, list(overrides), idx)
+        except ConfigError as err:
+            print(f"automodel: configuration error:\nsweep job #{idx} ({' '.join(overrides)}), "
+                  f"refused before anything was submitted:\n{err}", file=sys.stderr, flush=True)
+            sys.exit(2)
+
+
+def preflight_job(launcher, overrides: list, idx: int) -> None:
+    """Resolve job ``idx`` of the sweep as its tasks will, and preflight it; raises
+    ``ConfigError``."""
+    from omegaconf import open_dict
+
+    from automodel.cli import resolve_hydra_job
+    from automodel.launch.preflight import preflight
+    from automodel.launch.slurm import submit_env
+
+    cfg = launcher.hydra_context.config_loader.load_sweep_config(launcher.config, overrides)
+    with open_dict(cfg.hydra.job):
+        cfg.hydra.job.num = idx
+    hc = cfg.hydra
+    output_dir = str(Path(str(hc.sweep.dir)) / _job_subdir(cfg))
+    env = submit_env(launcher.params["nodes"], launcher.params["tasks_per_node"])
+    preflight(resolve_hydra_job(cfg, hc, output_dir, multirun=True, env=env),
+              gpus=job_gpus(launcher.params))
+
+
+def _job_subdir(cfg) -> str:
+    """``hydra.sweep.subdir`` of this job (its ``${hydra:...}`` interpolations read Hydra's
+    global config, set for a job only once it runs)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    hydra_config = HydraConfig.instance()
+    before = hydra_config.cfg
+    hydra_config.set_config(cfg)
+    try:
+        return str(cfg.hydra.sweep.subdir)
+    finally:
+        hydra_config.cfg = before
+
+
+def job_gpus(params: dict):
+    """The GPUs each rank of the job will see, from what it asks SLURM for; None (unknown:
+    the tasks check) when it asks in another way (``gres``, ``additional_parameters``) or not
+    at all."""
+    if params.get("gpus_per_node") is not None:
+        return params["gpus_per_node"]
+    return params.get("gpus_per_task")

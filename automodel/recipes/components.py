@@ -1,0 +1,183 @@
+"""What a run trains with, built in order on every rank: the model (on the meta device under a
+process group), its parallel form, the optimizer and scheduler, the data plan, the pipeline
+schedule, the evaluator and the checkpointer; then the checkpoint to resume from is loaded.
+
+The recipe (``recipes/train.py``) calls ``build_components`` and ``restore``; the step loop
+(``recipes/loop.py``) runs on what they return.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from automodel.checkpoint.manager import Checkpointer, checkpoint_bytes, warn_if_short_of_space
+from automodel.checkpoint.paths import checkpoint_root, complete_checkpoints
+from automodel.config.resolve import TrainConfig
+from automodel.data.batches import BatchPlan
+from automodel.data.sources import training_data
+from automodel.distributed.init import DistInfo
+from automodel.distributed.materialize import (
+    full_initial_state,
+    load_slices,
+    materialize,
+    names_match,
+    safetensors_files,
+)
+from automodel.distributed.megatron_meta_init import ModuleSource
+from automodel.distributed.mesh import MeshAxis
+from automodel.distributed.setup import DistributedSetup
+from automodel.faults import Faults
+from automodel.launch.failure import set_phase
+from automodel.models.builder import build_meta_model, build_model
+from automodel.optim import Optimizers, Schedulers
+from automodel.parallelize import ModelParts, parallelize
+from automodel.recipes.evaluate import Evaluator
+from automodel.recipes.router_loss import RouterLoss
+
+log = logging.getLogger("automodel")
+
+
+@dataclass
+class Components:
+    """Everything the step loop needs, built once per run."""
+
+    parallel: ModelParts  # the model's parts on this rank (one, or this rank's pipeline stages)
+    model: torch.nn.Module  # parallel.parts[0]
+    optimizer: Optimizers
+    scheduler: Schedulers
+    router_loss: RouterLoss | None
+    plan: BatchPlan
+    pipeline: object | None  # a PipelineStep under pipeline parallelism
+    evaluator: Evaluator | None
+    faults: Faults
+    checkpointer: Checkpointer
+    model_config: dict  # the model's HF config, saved with every checkpoint
+
+
+def build_components(cfg: TrainConfig, setup: DistributedSetup, output_dir: str) -> Components:
+    """Build the model, its parallel form, optimizer, scheduler, data, pipeline, evaluator and
+    checkpointer, and log what the run is (the first lines of ``train.log``)."""
+    info, group = setup.dist, setup.process_group
+    set_phase("model build")
+    model, fill = initial_model(cfg, info, group)
+    n_params = sum(p.numel() for p in model.parameters())
+    n_frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    model_config = model.config.to_dict()
+    router_loss = RouterLoss.of(model)
+    set_phase("parallelize")
+    parallel = parallelize(model, setup, fill)
+    optimizer = Optimizers(parallel.parts, cfg.optim)
+    if setup.strategy.wrap_optimizer is not None:  # (megatron_fsdp: model and optimizer)
+        parallel.parts[:] = setup.strategy.hook("wrap_optimizer")(parallel.parts, optimizer, setup)
+    model = parallel.parts[0]
+    scheduler = Schedulers(optimizer, cfg.optim, cfg.trainer.max_steps)
+    plan, pipeline, evaluator = _data(cfg, setup, parallel, router_loss)
+    _log_run(cfg, setup, model, pipeline, parallel.num_stages, n_params, n_frozen, output_dir)
+    faults = Faults(info.rank)
+    checkpointer = _checkpointer(cfg, info, group, faults, output_dir, n_params, n_frozen)
+    return Components(parallel, model, optimizer, scheduler, router_loss, plan, pipeline,
+                      evaluator, faults, checkpointer, model_config)
+
+
+def _data(cfg: TrainConfig, setup: DistributedSetup, parallel: ModelParts,
+          router_loss: RouterLoss | None):
+    """(the batch plan, the pipeline step or None, the evaluator or None)."""
+    t = cfg.trainer
+    set_phase("data")
+    rows, held_out = training_data(cfg.data_source, cfg.data, t.seq_len, cfg.model)
+    plan = BatchPlan(rows, t.global_batch_size, t.seed)
+    pipeline = None
+    if setup.pp_enabled:  # (imported here: torch's pipelining pulls in the compiler stack)
+        from automodel.recipes.pipeline_step import PipelineStep
+
+        pipeline = PipelineStep(parallel, setup, cfg.layout.per_rank_batch(t.global_batch_size),
+                                router_loss)
+    evaluator = (Evaluator(held_out, t, setup, pipeline, parallel.head_loss)
+                 if held_out is not None and t.eval_every else None)
+    return plan, pipeline, evaluator
+
+
+def _log_run(cfg: TrainConfig, setup: DistributedSetup, model, pipeline, num_stages: int,
+             n_params: int, n_frozen: int, output_dir: str) -> None:
+    """The run's first log line (strategy, ranks, layout, model, steps, output), and the
+    frozen parameters if any."""
+    t, info = cfg.trainer, setup.dist
+    micro = (f"{num_stages} pipeline stages, {pipeline.n_microbatches} micro-batches "
+             "per schedule step" if pipeline is not None else
+             f"{cfg.grad_accum_steps} micro-batch(es) per rank per step")
+    log.info("automodel: %s on %d rank(s) (dp=%d, cp=%d, tp=%d, pp=%d), %s with %.2fM "
+             "parameters, %d steps of %d x %d tokens, %s, %s; output in %s",
+             cfg.strategy.name, info.world_size, setup.dp_size, setup.size(MeshAxis.CP),
+             setup.size(MeshAxis.TP), setup.size(MeshAxis.PP),
+             type(model).__name__, n_params / 1e6, t.max_steps, t.global_batch_size, t.seq_len,
+             micro, info.describe(), output_dir)
+    if n_frozen:
+        log.info("model.freeze=%s: %.2fM of %.2fM parameters frozen (not in the optimizer)",
+                 list(cfg.model.freeze), n_frozen / 1e6, n_params / 1e6)
+
+
+def _checkpointer(cfg: TrainConfig, info: DistInfo, group, faults: Faults, output_dir: str,
+                  n_params: int, n_frozen: int) -> Checkpointer:
+    """The run's checkpointer; rank 0 warns when the disk cannot hold the checkpoints."""
+    per_checkpoint = checkpoint_bytes(n_params, n_params - n_frozen,
+                                      torch.finfo(getattr(torch, cfg.model.dtype)).bits // 8)
+    checkpointer = Checkpointer(checkpoint_root(cfg.checkpoint.dir, output_dir),
+                                cfg.checkpoint.keep_last, info.rank, faults, per_checkpoint,
+                                group)
+    if info.is_main:
+        warn_if_short_of_space(checkpointer.root, per_checkpoint, cfg.checkpoint,
+                               cfg.trainer.max_steps)
+    return checkpointer
+
+
+def initial_model(cfg: TrainConfig, info: DistInfo, group=None):
+    """(model, materialize). With a process group every rank builds the model on the meta
+    device and ``parallelize`` materializes only its shards: read as slices from a pretrained
+    safetensors checkpoint by every rank, or else filled from the first rank's full copy (from
+    config with the seed, or another checkpoint format). A lone process builds the real model
+    directly."""
+    seed = cfg.trainer.seed
+    if not dist.is_initialized():
+        return build_model(cfg.model, seed).to(info.device), None
+    model = build_meta_model(cfg.model)
+    files = (safetensors_files(cfg.model.pretrained_path) if cfg.model.pretrained_path
+             else None)
+    if files is not None and not names_match(model, files):
+        files = None  # stored under other names: rank 0 loads it with from_pretrained
+
+    def fill(parts):
+        if files is not None:
+            load_slices(parts, info.device, files)
+            torch.manual_seed(seed)  # (as build_model leaves it)
+        else:
+            materialize(parts, info.device, lambda: full_initial_state(cfg.model, seed),
+                        group)
+
+    # (parallelism.init_fsdp_with_meta_device: megatron-fsdp fills one module at a time)
+    fill.source = ModuleSource(files, lambda: full_initial_state(cfg.model, seed), seed, group)
+    return model, fill
+
+
+def restore(cfg: TrainConfig, parts: Components) -> int:
+    """Load the checkpoint ``checkpoint.resume`` names; returns the step to start from."""
+    checkpointer = parts.checkpointer
+    path = cfg.checkpoint.resume
+    if path is None and cfg.launch.restarts > 0:
+        log.info("SLURM requeued this job (restart %d): resuming from the latest checkpoint",
+                 cfg.launch.restarts)
+        path = "auto"
+    if path == "auto":
+        found = complete_checkpoints(checkpointer.root)
+        path = found[-1] if found else None
+        if path is None:
+            log.info("checkpoint.resume=auto: no checkpoint in %s yet; starting at step 0",
+                     checkpointer.root)
+    if path is None:
+        return 0
+    step = checkpointer.load(path, parts.parallel.parts, parts.optimizer, parts.scheduler)
+    log.info("resumed from %s after step %d", path, step)
+    return step
