@@ -19,6 +19,12 @@ import enum
 
 from automodel.config.build import ConfigError
 
+# The layer groups a model's blocks fall into (models/parts.py assigns them): the scopes of
+# activation checkpointing and the groups model.freeze takes.
+LAYER_GROUPS = ("language", "vision", "audio", "multimodal")
+# parallelism.zero_dp_strategy of megatron_fsdp: the number or the library's name
+MEGATRON_ZERO_STRATEGIES = {0: "no_shard", 1: "optim", 2: "optim_grads", 3: "optim_grads_params"}
+
 
 class Choice(str, enum.Enum):
     """A closed set of string values; members are named as their values."""

@@ -22,7 +22,6 @@ from automodel.config.strategies import STRATEGIES, Strategy
 from automodel.config.validate import (
     check_checkpoint,
     check_distributed,
-    check_dtype,
     check_optim,
     check_tensor_parallel,
     check_trainer_options,
@@ -30,6 +29,7 @@ from automodel.config.validate import (
 )
 from automodel.config.validate_data import check_data, check_data_with_layout
 from automodel.config.validate_layout import resolve_layout, resolve_trainer
+from automodel.config.validate_model import check_model
 from automodel.config.validate_pipeline import check_pipeline, check_pipeline_model
 from automodel.data.registry import DATA_SOURCES
 
@@ -38,6 +38,9 @@ log = logging.getLogger(__name__)
 # The shipped strategies' schemas (a strategy registered outside automodel has its own).
 ParallelismOptions = Union[s.SingleProcessConfig, s.DDPConfig, s.FSDP2Config, s.HSDPConfig,
                            s.MegatronFSDPConfig]
+# The shipped data sources' schemas (a source registered outside automodel has its own).
+DataOptions = Union[s.CorpusDataConfig, s.SyntheticDataConfig, s.FilesDataConfig,
+                    s.HFDataConfig, s.TokensDataConfig]
 
 
 @dataclass
@@ -56,7 +59,7 @@ class TrainConfig:
     distributed: s.DistributedConfig
     model: s.ModelConfig
     data_source: str  # a name of data/registry.DATA_SOURCES: corpus | synthetic | files | ...
-    data: Any
+    data: DataOptions  # the source's schema dataclass, checked
     optim: s.OptimConfig
     trainer: s.TrainerConfig  # local_batch_size resolved
     launch: LaunchEnv
@@ -162,7 +165,7 @@ def resolve(cfg, env: Optional[Mapping[str, str]] = None, output_dir: str = ".",
         check_pipeline(pipeline, mesh, trainer, par)
     model = _pretrained_keeps_its_config(build(s.ModelConfig, plain["model"], "model"),
                                          overrides or [])
-    check_dtype("model.dtype", model.dtype, allow_none=False)
+    check_model(model)
     if strategy.tensor_parallel:
         check_tensor_parallel(par, layout, model, trainer)
     if pipeline is not None:
@@ -174,7 +177,7 @@ def resolve(cfg, env: Optional[Mapping[str, str]] = None, output_dir: str = ".",
     check_optim(optim)
     logger = build(s.LoggerConfig, plain.get("logger"), "logger")
     checkpoint = build(s.CheckpointConfig, plain.get("checkpoint"), "checkpoint")
-    check_checkpoint(checkpoint, trainer)
+    check_checkpoint(checkpoint)
     if launch.kind == "local":
         distributed = dataclasses.replace(distributed, nproc_per_node=layout.world_size)
     return TrainConfig(

@@ -1,6 +1,9 @@
-"""Validation rules that need only numbers and names (no torch, no processes).
+"""Validation rules that need only numbers and names (no torch, no processes): the run's own
+sections (distributed, trainer, optim, checkpoint) and tensor parallelism.
 
-Each function checks one section (or a pair of sections that constrain each other) and raises
+The other topics have their own modules: validate_layout (mesh sizes), validate_parallelism
+(each strategy's options), validate_model, validate_data, validate_pipeline. Each function
+checks one section (or a pair of sections that constrain each other) and raises
 ``ConfigError`` naming the key, the value and what is allowed. ``resolve.py`` calls them.
 """
 
@@ -18,10 +21,6 @@ log = logging.getLogger(__name__)
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16", "float64")
 
-# The layer groups a model's blocks fall into (models/parts.py assigns them): the scopes of
-# activation checkpointing and the groups model.freeze takes. Here, torch-free, for the checks.
-LAYER_GROUPS = ("language", "vision", "audio", "multimodal")
-AC_SCOPES = LAYER_GROUPS
 
 
 def _positive(path: str, value, minimum: int = 1) -> None:
@@ -48,7 +47,7 @@ def check_distributed(d: s.DistributedConfig) -> None:
 
 
 def check_trainer_options(trainer: s.TrainerConfig, pipeline, strategy) -> None:
-    """The trainer's loss, profiling, evaluation and read-ahead options (``strategy``: the
+    """The trainer's loss, profiling, evaluation, stop and read-ahead options (``strategy``: the
     ``Strategy`` entry of ``config/strategies.py``)."""
     _positive("trainer.eval_every", trainer.eval_every, 0)
     _positive("trainer.prefetch_steps", trainer.prefetch_steps, 0)
@@ -67,6 +66,9 @@ def check_trainer_options(trainer: s.TrainerConfig, pipeline, strategy) -> None:
                           "plain")
     if trainer.eval_batches is not None:
         _positive("trainer.eval_batches", trainer.eval_batches, 1)
+    if trainer.stop_at_step is not None and not 1 <= trainer.stop_at_step <= trainer.max_steps:
+        raise ConfigError(f"trainer.stop_at_step={trainer.stop_at_step}: must be within "
+                          f"1..trainer.max_steps={trainer.max_steps}")
 
 
 def check_optim(o: s.OptimConfig) -> None:
@@ -82,18 +84,6 @@ def check_optim(o: s.OptimConfig) -> None:
     if o.max_grad_norm is not None and o.max_grad_norm <= 0:
         raise ConfigError(f"optim.max_grad_norm={o.max_grad_norm}: must be > 0 or null")
 
-
-def model_numbers(model: s.ModelConfig) -> dict:
-    """The model's size numbers from model.config, or from config.json of pretrained_path."""
-    numbers = dict(model.config)
-    if model.pretrained_path is not None:
-        path = os.path.join(model.pretrained_path, "config.json")
-        if os.path.isfile(path):
-            import json
-
-            with open(path, encoding="utf-8") as f:
-                numbers = {**json.load(f), **numbers}
-    return numbers
 
 
 def resolve_sequence_parallel(strategy, par, layout: Layout):
@@ -140,7 +130,7 @@ def check_tensor_parallel(par, layout: Layout, model: s.ModelConfig,
         layout.check_sequence_parallel_seq_len(trainer.seq_len)
 
 
-def check_checkpoint(c: s.CheckpointConfig, trainer: s.TrainerConfig) -> None:
+def check_checkpoint(c: s.CheckpointConfig) -> None:
     """The values; whether the checkpoint to resume from is whole needs its metadata (torch),
     and is checked before launch (``launch/preflight.py``: check_resume_checkpoint)."""
     _positive("checkpoint.every_steps", c.every_steps)
@@ -148,6 +138,3 @@ def check_checkpoint(c: s.CheckpointConfig, trainer: s.TrainerConfig) -> None:
     if c.resume is not None and c.resume != "auto" and not os.path.isdir(c.resume):
         raise ConfigError(f"checkpoint.resume={c.resume!r}: no such checkpoint directory; "
                           "use auto (the latest in checkpoint.dir), a path, or null")
-    if trainer.stop_at_step is not None and not 1 <= trainer.stop_at_step <= trainer.max_steps:
-        raise ConfigError(f"trainer.stop_at_step={trainer.stop_at_step}: must be within "
-                          f"1..trainer.max_steps={trainer.max_steps}")

@@ -48,7 +48,6 @@ def check_data(source, data, model: s.ModelConfig):
     if not (isinstance(fraction, (int, float)) and 0 <= fraction < 1):
         raise ConfigError(f"data.eval_fraction={fraction!r}: the share of the rows held out "
                           "for evaluation, 0 <= value < 1 (0: none)")
-    _check_model_numbers(model)
     return data
 
 
@@ -110,21 +109,3 @@ def check_tokens(data: s.TokensDataConfig, model: s.ModelConfig) -> s.TokensData
     if data.doc_starts_path is not None and not os.path.isfile(data.doc_starts_path):
         raise ConfigError(f"data.doc_starts_path={data.doc_starts_path!r}: no such file")
     return data
-
-
-def _check_model_numbers(model: s.ModelConfig) -> None:
-    """The model's own numbers (checked here since the data check first ran them)."""
-    if model.pretrained_path is not None and not os.path.isdir(model.pretrained_path):
-        raise ConfigError(f"model.pretrained_path={model.pretrained_path!r}: no such directory")
-    hidden, heads = model.config.get("hidden_size"), model.config.get("num_attention_heads")
-    kv_heads = model.config.get("num_key_value_heads")
-    if isinstance(hidden, int) and isinstance(heads, int) and (heads < 1 or hidden % heads):
-        raise ConfigError(f"model.config.num_attention_heads={heads} must divide "
-                          f"model.config.hidden_size={hidden}")
-    if isinstance(heads, int) and isinstance(kv_heads, int) and (kv_heads < 1 or heads % kv_heads):
-        raise ConfigError(f"model.config.num_key_value_heads={kv_heads} must divide "
-                          f"model.config.num_attention_heads={heads}")
-    if model.pretrained_path is None and "model_type" not in model.config:
-        raise ConfigError("model.config needs a model_type (e.g. llama, qwen2) when "
-                          "model.pretrained_path is null (model=pretrained needs "
-                          "model.pretrained_path=/local/dir)")

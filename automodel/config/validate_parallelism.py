@@ -14,14 +14,14 @@ import math
 from typing import List
 
 from automodel.config.build import ConfigError
-from automodel.config.enums import ACMode
+from automodel.config.enums import LAYER_GROUPS as AC_SCOPES
+from automodel.config.enums import MEGATRON_ZERO_STRATEGIES, ACMode
 from automodel.config.layout import Layout
 from automodel.config.policies import resolve_policy
-from automodel.config.validate import AC_SCOPES, _positive, check_dtype
+from automodel.config.validate import _positive, check_dtype
 
 log = logging.getLogger(__name__)
 
-MEGATRON_ZERO_STRATEGIES = {0: "no_shard", 1: "optim", 2: "optim_grads", 3: "optim_grads_params"}
 MEGATRON_PLAIN_LOSS = ("Megatron-FSDP keeps the weights in its own buffers; use trainer.loss="
                        "auto or plain (auto is plain there)")
 

@@ -14,7 +14,8 @@ from automodel.config.pipeline_layout import (
     canonical_schedule,
     count_stages,
 )
-from automodel.config.validate import _positive, check_dtype, model_numbers
+from automodel.config.validate import _positive, check_dtype
+from automodel.config.validate_model import model_numbers
 
 log = logging.getLogger(__name__)
 

@@ -81,7 +81,7 @@ def refusal_for(cfg) -> str | None:
 
 def zero_dp_strategy(value) -> str:
     """The library's name for ``parallelism.zero_dp_strategy`` (validated before)."""
-    from automodel.config.validate_parallelism import MEGATRON_ZERO_STRATEGIES
+    from automodel.config.enums import MEGATRON_ZERO_STRATEGIES
 
     return MEGATRON_ZERO_STRATEGIES.get(value, value)
 

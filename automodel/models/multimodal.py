@@ -17,7 +17,7 @@ import inspect
 
 from torch import nn
 
-from automodel.config.validate import LAYER_GROUPS
+from automodel.config.enums import LAYER_GROUPS
 from automodel.models.parts import group_of
 
 
