@@ -115,6 +115,7 @@ class Checkpointer:
         self.group = group
         self.faults = faults
         self.size_estimate = size_estimate  # bytes of one checkpoint (for messages)
+        self.loaded_meta: dict = {}  # trainer.json of the checkpoint loaded (W&B run id)
 
     def path(self, step: int) -> str:
         return checkpoint_path(self.root, step)
@@ -229,6 +230,7 @@ class Checkpointer:
                            optim_state_dict={k: state["optim"][k] for k in o}, options=OPTIONS)
         with open(os.path.join(path, "trainer.json")) as f:
             trainer = json.load(f)
+        self.loaded_meta = trainer
         scheduler.load_state_dict(trainer["scheduler"])
         rng = os.path.join(path, f"rng_rank{self.rank}.pt")
         if os.path.isfile(rng):  # (a rank the saving job did not have keeps its own)

@@ -15,6 +15,7 @@ from typing import Any, Dict, List, Mapping, Optional, Union
 
 from automodel.config import schema as s
 from automodel.config.build import ConfigError, build
+from automodel.config.checkpoint_dir import resolve_checkpoint
 from automodel.config.launch_env import LaunchEnv, detect_launch_env
 from automodel.config.layout import Layout
 from automodel.config.policies import PolicySpec
@@ -66,6 +67,7 @@ class TrainConfig:
     logger: s.LoggerConfig = field(default_factory=s.LoggerConfig)
     checkpoint: s.CheckpointConfig = field(default_factory=s.CheckpointConfig)
     output_dir: str = "."
+    experiment: Optional[str] = None  # names a folder shared by its submissions (checkpoints)
     sweep_dir: Optional[str] = None  # the multirun's directory when this job is one of a sweep
     choices: Dict[str, Any] = field(default_factory=dict)  # hydra.runtime.choices
     overrides: List[str] = field(default_factory=list)
@@ -112,7 +114,7 @@ def _plain_nodes(cfg) -> dict:
     from omegaconf.errors import MissingMandatoryValue
 
     expected = {"mesh", "distributed", "trainer", "parallelism", "pipeline", "model", "data",
-                "optim", "logger", "checkpoint"}
+                "optim", "logger", "checkpoint", "experiment"}
     extra = sorted(set(cfg.keys()) - expected - {"hydra"})
     if extra:
         raise ConfigError(f"unknown top-level key(s) {extra}; allowed: {sorted(expected)}")
@@ -145,8 +147,10 @@ def _chosen_groups(cfg, plain: dict):
 
 def resolve(cfg, env: Optional[Mapping[str, str]] = None, output_dir: str = ".",
             choices: Optional[dict] = None, overrides: Optional[list] = None,
-            sweep_dir: Optional[str] = None) -> TrainConfig:
-    """Turn the composed config into a ``TrainConfig`` or raise ``ConfigError``."""
+            sweep_dir: Optional[str] = None,
+            output_named_by_time: bool = False) -> TrainConfig:
+    """Turn the composed config into a ``TrainConfig`` or raise ``ConfigError``.
+    ``output_named_by_time``: ``output_dir`` is new for every submission (Hydra's default)."""
     env = os.environ if env is None else env
     plain = _plain_nodes(cfg)
     strategy, par, pipeline, source = _chosen_groups(cfg, plain)
@@ -178,6 +182,9 @@ def resolve(cfg, env: Optional[Mapping[str, str]] = None, output_dir: str = ".",
     logger = build(s.LoggerConfig, plain.get("logger"), "logger")
     checkpoint = build(s.CheckpointConfig, plain.get("checkpoint"), "checkpoint")
     check_checkpoint(checkpoint)
+    experiment = plain.get("experiment")
+    checkpoint = resolve_checkpoint(checkpoint, experiment, output_dir, sweep_dir,
+                                    output_named_by_time)
     if launch.kind == "local":
         distributed = dataclasses.replace(distributed, nproc_per_node=layout.world_size)
     return TrainConfig(
@@ -189,7 +196,7 @@ def resolve(cfg, env: Optional[Mapping[str, str]] = None, output_dir: str = ".",
         distributed=distributed, model=model, data_source=source.name, data=data,
         optim=optim, trainer=trainer,
         launch=launch, logger=logger, checkpoint=checkpoint, output_dir=output_dir,
-        sweep_dir=sweep_dir,
+        experiment=experiment, sweep_dir=sweep_dir,
         choices=dict(choices or {}),
         overrides=list(overrides or []), resolved=plain)
 

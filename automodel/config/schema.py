@@ -226,6 +226,13 @@ class HFDataConfig:
     split: str = "train"
     text_field: str = "text"
     template: Optional[str] = None  # "{instruction}\n{response}": record fields, not text_field
+    # text (text_field / template) | chat (messages_field, through the tokenizer's chat
+    # template) | prompt_completion (prompt_field + completion_field)
+    format: str = "text"
+    messages_field: str = "messages"
+    prompt_field: str = "prompt"
+    completion_field: str = "completion"
+    train_on: str = "all"  # all | completion: labels only on assistant turns / the completion
     tokenizer_path: Optional[str] = None  # local directory for ``AutoTokenizer``; null = bytes
     cache_dir: Optional[str] = None  # null = $AUTOMODEL_CACHE, else ~/.cache/automodel
     pack_boundaries: bool = False

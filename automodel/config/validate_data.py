@@ -7,11 +7,21 @@ Pure Python, as ``validate.py``; ``resolve.py`` calls ``check_data`` and
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
 
 from automodel.config import schema as s
 from automodel.config.build import ConfigError
 from automodel.config.validate import _positive
+from automodel.config.validate_model import model_numbers
+
+log = logging.getLogger(__name__)
+
+# The files that make a directory a tokenizer's (``AutoTokenizer.from_pretrained`` reads them).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+# A vocabulary this small is taken for byte-level (256 byte ids and a few special tokens).
+BYTE_LEVEL_MAX_VOCAB = 512
 
 
 def check_data_with_layout(data, trainer: s.TrainerConfig, mesh: s.MeshConfig, pipeline,
@@ -52,14 +62,40 @@ def check_data(source, data, model: s.ModelConfig):
 
 
 def _byte_level_vocab(data, model: s.ModelConfig, byte_level: bool) -> None:
-    vocab = model.config.get("vocab_size")
-    if byte_level and vocab is not None and vocab < 256 and model.pretrained_path is None:
+    """Byte-level tokens (ids 0-255) need a vocabulary of at least 256 entries; with a
+    pretrained model, a byte-level one (the checkpoint's own tokens are not bytes otherwise)."""
+    if not byte_level:
+        return
+    numbers = model_numbers(model)
+    vocab = numbers.get("vocab_size") or (numbers.get("text_config") or {}).get("vocab_size")
+    if not isinstance(vocab, int):
+        return
+    if vocab < 256:
         raise ConfigError(f"model.config.vocab_size={vocab}: byte-level data needs >= 256")
+    if model.pretrained_path is not None and vocab > BYTE_LEVEL_MAX_VOCAB:
+        raise ConfigError(
+            f"data.tokenizer_path is not set and model.pretrained_path={model.pretrained_path!r}"
+            f" holds no tokenizer ({', '.join(TOKENIZER_FILES)}): the text would be read as "
+            f"bytes (ids 0-255), which this model's {vocab}-entry vocabulary does not use; "
+            "set data.tokenizer_path=/dir/of/the/model's/tokenizer")
 
 
-def _tokenizer_dir(data) -> None:
-    if data.tokenizer_path is not None and not os.path.isdir(data.tokenizer_path):
-        raise ConfigError(f"data.tokenizer_path={data.tokenizer_path!r}: no such directory")
+def _has_tokenizer(path: str) -> bool:
+    return any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES)
+
+
+def _tokenizer_dir(data, model: s.ModelConfig):
+    """``data.tokenizer_path`` checked; unset, it defaults to ``model.pretrained_path`` when
+    that directory holds a tokenizer (the checkpoint's own). Returns the resolved copy."""
+    if data.tokenizer_path is not None:
+        if not os.path.isdir(data.tokenizer_path):
+            raise ConfigError(f"data.tokenizer_path={data.tokenizer_path!r}: no such directory")
+        return data
+    if model.pretrained_path is None or not _has_tokenizer(model.pretrained_path):
+        return data
+    log.info("data.tokenizer_path=null: using the tokenizer of model.pretrained_path=%s",
+             model.pretrained_path)
+    return dataclasses.replace(data, tokenizer_path=model.pretrained_path)
 
 
 def _path_exists(data, source: str, needs: str) -> None:
@@ -71,7 +107,7 @@ def _path_exists(data, source: str, needs: str) -> None:
 
 def check_corpus(data: s.CorpusDataConfig, model: s.ModelConfig) -> s.CorpusDataConfig:
     _positive("data.image_every", data.image_every, 0)
-    _byte_level_vocab(data, model, True)
+    _byte_level_vocab(data, model, model.pretrained_path is None)  # (generated test text)
     return data
 
 
@@ -91,7 +127,7 @@ def check_files(data: s.FilesDataConfig, model: s.ModelConfig) -> s.FilesDataCon
     for p in data.paths:
         if not os.path.isfile(p):
             raise ConfigError(f"data.paths contains {p!r}: no such file")
-    _tokenizer_dir(data)
+    data = _tokenizer_dir(data, model)
     _byte_level_vocab(data, model, data.tokenizer_path is None)
     return data
 
@@ -99,9 +135,27 @@ def check_files(data: s.FilesDataConfig, model: s.ModelConfig) -> s.FilesDataCon
 def check_hf(data: s.HFDataConfig, model: s.ModelConfig) -> s.HFDataConfig:
     _path_exists(data, "hf", "a save_to_disk folder or data files (parquet, jsonl, arrow, "
                  "csv)")
-    _tokenizer_dir(data)
+    data = _tokenizer_dir(data, model)
     _byte_level_vocab(data, model, data.tokenizer_path is None)
+    _check_sft(data)
     return data
+
+
+def _check_sft(data: s.HFDataConfig) -> None:
+    """``data.format`` and ``data.train_on`` (``data/sft.py`` renders the records)."""
+    formats, train_on = ("text", "chat", "prompt_completion"), ("all", "completion")
+    if data.format not in formats:
+        raise ConfigError(f"data.format={data.format!r}: one of {', '.join(formats)}")
+    if data.train_on not in train_on:
+        raise ConfigError(f"data.train_on={data.train_on!r}: one of {', '.join(train_on)}")
+    if data.train_on == "completion" and data.format == "text":
+        raise ConfigError("data.train_on=completion with data.format=text: plain text has no "
+                          "completion; set data.format=chat (assistant turns) or "
+                          "data.format=prompt_completion, or data.train_on=all")
+    if data.format == "chat" and data.tokenizer_path is None:
+        raise ConfigError("data.format=chat needs a tokenizer with a chat template: set "
+                          "data.tokenizer_path (or model.pretrained_path to a checkpoint "
+                          "that holds its tokenizer)")
 
 
 def check_tokens(data: s.TokensDataConfig, model: s.ModelConfig) -> s.TokensDataConfig:

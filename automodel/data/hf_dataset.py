@@ -4,8 +4,8 @@
 or data files read by ``datasets.load_dataset`` streaming (no copy into the datasets cache):
 one file, a directory of them, or a glob, of parquet, JSON lines, arrow or CSV. A document
 is the record's ``data.text_field``, or ``data.template`` filled with the record's fields
-(``"{instruction}\\n{response}"``); a field holding chat messages (a list of
-``{"role", "content"}``) is written one ``role: content`` line per message.
+(``"{instruction}\\n{response}"``); chat and prompt/completion records are rendered by
+``data/sft.py``.
 """
 
 from __future__ import annotations
@@ -72,28 +72,27 @@ def fingerprint(path: str, split: str) -> str:
     return h.hexdigest()
 
 
-def _fields(text_field: str, template: str | None) -> list[str]:
+def template_fields(text_field: str, template: str | None) -> list[str]:
     if template is None:
         return [text_field]
     names = [name for _, name, _, _ in string.Formatter().parse(template) if name]
     return list(dict.fromkeys(name.split(".")[0].split("[")[0] for name in names))
 
 
-def _missing(wanted: list[str], have: list[str], where: str, text_field: str,
-             template: str | None) -> None:
+def _missing(wanted: list[str], have: list[str], where: str, keys: dict) -> None:
     lost = [f for f in wanted if f not in have]
     if lost:
-        key = "data.text_field" if template is None else "data.template"
-        raise ValueError(f"{where}: no field {lost[0]!r} ({key}); the records have "
-                         f"{sorted(have)}")
+        raise ValueError(f"{where}: no field {lost[0]!r} ({keys.get(lost[0], 'data.template')})"
+                         f"; the records have {sorted(have)}")
 
 
-def iter_documents(path: str, split: str, text_field: str, template: str | None):
-    """(the split's document texts, their number or None), read in column batches: a saved
-    dataset or parquet files through arrow, other files through datasets' streaming."""
+def iter_documents(path: str, split: str, wanted: list[str], keys: dict, render):
+    """(the split's documents, their number or None), read in column batches: a saved
+    dataset or parquet files through arrow, other files through datasets' streaming.
+    ``wanted``: the fields read (``keys``: the option naming each); ``render(record, where)``
+    makes a document of a record."""
     import datasets
 
-    wanted = _fields(text_field, template)
     where = f"data.path={path!r} (split {split!r})"
     p = Path(path)
     if _is_saved_dataset(p):
@@ -107,9 +106,9 @@ def iter_documents(path: str, split: str, text_field: str, template: str | None)
                 raise ValueError(f"data.split={split!r}: the dataset at {path} has the splits "
                                  f"{sorted(ds)}")
             ds = ds[split]
-        _missing(wanted, ds.column_names, where, text_field, template)
+        _missing(wanted, ds.column_names, where, keys)
         batches = (b for b in ds.select_columns(wanted).iter(batch_size=1024))
-        return _texts(batches, text_field, template, where), len(ds)
+        return _texts(batches, render, where), len(ds)
     files = data_files(path)
     if Path(files[0]).suffix == ".parquet":
         import pyarrow.parquet as pq
@@ -117,14 +116,14 @@ def iter_documents(path: str, split: str, text_field: str, template: str | None)
         def parquet_batches():
             for f in files:
                 pf = pq.ParquetFile(f)
-                _missing(wanted, pf.schema_arrow.names, f"{where}, {f}", text_field, template)
+                _missing(wanted, pf.schema_arrow.names, f"{where}, {f}", keys)
                 for batch in pf.iter_batches(batch_size=1024, columns=wanted):
                     yield batch.to_pydict()
 
         total = sum(pq.ParquetFile(f).metadata.num_rows for f in files)
         if not total:
             raise ValueError(f"data.path={path!r}: no documents in {len(files)} file(s)")
-        return _texts(parquet_batches(), text_field, template, where), total
+        return _texts(parquet_batches(), render, where), total
     builder = _BUILDERS[Path(files[0]).suffix]
     try:
         ds = datasets.load_dataset(builder, data_files={split: files}, split=split,
@@ -135,22 +134,27 @@ def iter_documents(path: str, split: str, text_field: str, template: str | None)
         raise ValueError(f"cannot read the data files of data.path={path!r}: "
                          f"{type(err).__name__}: {err}") from None
     records = ({k: [v] for k, v in r.items()} for r in ds)
-    return _texts(records, text_field, template, where), None
+    return _texts(records, render, where), None
 
 
-def _texts(batches, text_field: str, template: str | None, where: str):
-    """Document texts from column batches ({field: [values]})."""
+def _texts(batches, render, where: str):
+    """Documents from column batches ({field: [values]})."""
     count = 0
     for batch in batches:
         columns = list(batch)
         for row in zip(*batch.values()):
-            yield document_text(dict(zip(columns, row)), text_field, template,
-                                f"{where}, record {count}")
+            yield render(dict(zip(columns, row)), f"{where}, record {count}")
             count += 1
 
 
+def _is_chat(value) -> bool:
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(m, dict) and "content" in m for m in value)
+
+
 def _render(value) -> str:
-    if isinstance(value, list) and all(isinstance(m, dict) and "content" in m for m in value):
+    """A field in a template: chat messages as one ``role: content`` line each."""
+    if _is_chat(value):
         return "\n".join(f"{m.get('role', 'user')}: {m['content']}" for m in value)
     return str(value)
 
@@ -162,7 +166,11 @@ def document_text(record: dict, text_field: str, template: str | None, where: st
         if text_field not in record:
             raise ValueError(f"{where}: no field {text_field!r} (data.text_field); the records "
                              f"have {sorted(record)}")
-        return _render(record[text_field])
+        if _is_chat(record[text_field]):
+            raise ValueError(f"{where}: data.text_field={text_field!r} holds chat messages: set "
+                             f"data.format=chat data.messages_field={text_field} to render them "
+                             "with the tokenizer's chat template")
+        return str(record[text_field])
     try:
         return template.format_map({k: _render(v) for k, v in record.items()})
     except KeyError as err:

@@ -26,12 +26,13 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from automodel.data import hf_dataset
+from automodel.data import hf_dataset, sft
 from automodel.data.token_stream import (
     DOC_STARTS,
     FORMAT,
     META,
     TOKENS,
+    TRAIN,
     TokenStream,
     open_stream,
     token_dtype,
@@ -51,22 +52,29 @@ def cache_root(cache_dir: str | None) -> Path:
     return Path(root) / "tokens"
 
 
+# Weights in a checkpoint directory that is also the tokenizer's: not hashed (not read).
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
+
+
 def tokenizer_identity(tokenizer_path: str | None) -> str:
     if tokenizer_path is None:
         return "bytes"
     h = hashlib.sha256()
     for f in sorted(Path(tokenizer_path).iterdir()):
-        if f.is_file():
+        if f.is_file() and not f.name.endswith(_WEIGHT_SUFFIXES):
             h.update(f.name.encode() + b"\0" + f.read_bytes())
     return h.hexdigest()
 
 
 class Encoder:
-    """Texts to token ids, each document ending in the separator (the tokenizer's EOS, else
-    SEP, else none; a newline byte for byte-level tokens)."""
+    """Documents to token ids, each ending in the separator (the tokenizer's EOS, else SEP,
+    else none; a newline byte for byte-level tokens). ``masked``: also which tokens are
+    trained on, from each ``sft.Document``'s character spans (the separator is trained when
+    the document's last token is)."""
 
-    def __init__(self, tokenizer_path: str | None):
+    def __init__(self, tokenizer_path: str | None, masked: bool = False):
         self.tokenizer = None
+        self.masked = masked
         if tokenizer_path is None:
             self.separator, self.max_id = BYTE_SEPARATOR, 255
             return
@@ -76,19 +84,54 @@ class Encoder:
         tok = self.tokenizer
         self.separator = tok.eos_token_id if tok.eos_token_id is not None else tok.sep_token_id
         self.max_id = len(tok) - 1
+        if masked and not tok.is_fast:
+            raise ValueError(f"data.train_on=completion needs a fast tokenizer (character "
+                             f"offsets); the one at {tokenizer_path} is not")
 
-    def __call__(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        """(the documents' tokens end to end, each document's length), as arrays."""
-        if self.tokenizer is None:
+    def __call__(self, docs: list) -> tuple:
+        """(the documents' tokens end to end, each document's length[, the train mask]), as
+        arrays."""
+        texts = [getattr(d, "text", d) for d in docs]
+        if self.tokenizer is None and not self.masked:
             encoded = [t.encode("utf-8") for t in texts]
             flat = np.frombuffer(b"\n".join(encoded) + b"\n", dtype=np.uint8) if texts else \
                 np.zeros(0, dtype=np.uint8)
             return flat, np.fromiter((len(e) + 1 for e in encoded), np.int64, len(encoded))
-        ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+        if self.tokenizer is None:
+            ids = [list(t.encode("utf-8")) for t in texts]
+            offsets = [_byte_offsets(t) for t in texts] if self.masked else None
+        else:
+            enc = self.tokenizer(texts, add_special_tokens=False,
+                                 return_offsets_mapping=self.masked)
+            ids, offsets = enc["input_ids"], enc.get("offset_mapping")
         tail = [self.separator] if self.separator is not None else []
-        docs = [np.asarray(list(d) + tail, dtype=np.int64) for d in ids]
-        flat = np.concatenate(docs) if docs else np.zeros(0, dtype=np.int64)
-        return flat, np.fromiter((len(d) for d in docs), np.int64, len(docs))
+        arrays = [np.asarray(list(d) + tail, dtype=np.int64) for d in ids]
+        flat = np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int64)
+        lengths = np.fromiter((len(d) for d in arrays), np.int64, len(arrays))
+        if not self.masked:
+            return flat, lengths
+        masks = [_train_mask(getattr(d, "spans", None), o, len(tail))
+                 for d, o in zip(docs, offsets)]
+        return flat, lengths, (np.concatenate(masks) if masks else np.zeros(0, np.uint8))
+
+
+def _byte_offsets(text: str) -> list[tuple[int, int]]:
+    """Each UTF-8 byte's character (start, end)."""
+    return [(i, i + 1) for i, ch in enumerate(text) for _ in ch.encode("utf-8")]
+
+
+def _train_mask(spans, offsets, tail: int) -> np.ndarray:
+    """1 for each token whose first character lies in a trained span (all without spans),
+    then the separator's, as the last token's."""
+    starts = np.fromiter((o[0] for o in offsets), np.int64, len(offsets))
+    if spans is None:
+        keep = np.ones(len(starts), dtype=bool)
+    else:
+        keep = np.zeros(len(starts), dtype=bool)
+        for lo, hi in spans:
+            keep |= (starts >= lo) & (starts < hi)
+    last = bool(keep[-1]) if len(keep) else False
+    return np.concatenate([keep, np.full(tail, last)]).astype(np.uint8)
 
 
 def build_entry(folder: Path, texts: Iterable[str], total: int | None, encode: Encoder,
@@ -105,10 +148,13 @@ def build_entry(folder: Path, texts: Iterable[str], total: int | None, encode: E
                mininterval=2.0, disable=None)
     try:
         # tokens and document starts go straight to disk: memory stays one batch
-        with open(tmp / TOKENS, "wb") as out, open(tmp / "doc_starts.raw", "wb") as starts:
+        with open(tmp / TOKENS, "wb") as out, open(tmp / "doc_starts.raw", "wb") as starts, \
+                open(tmp / TRAIN, "wb") as train:
             def flush():
                 nonlocal offset, num_docs, max_token
-                flat, lengths = encode(batch)
+                flat, lengths, *mask = encode(batch)
+                if mask:
+                    mask[0].tofile(train)
                 (offset + np.concatenate([[0], np.cumsum(lengths)[:-1]])).astype(
                     np.int64).tofile(starts)
                 offset += int(lengths.sum())
@@ -128,16 +174,11 @@ def build_entry(folder: Path, texts: Iterable[str], total: int | None, encode: E
         bar.close()
         if not num_docs:
             raise ValueError(f"{describe}: no documents (an empty dataset or split)")
-        raw = np.memmap(tmp / "doc_starts.raw", dtype=np.int64, mode="r", shape=(num_docs,))
-        saved = np.lib.format.open_memmap(tmp / DOC_STARTS, mode="w+", dtype=np.int64,
-                                          shape=(num_docs,))
-        for i in range(0, num_docs, 1 << 22):
-            saved[i:i + (1 << 22)] = raw[i:i + (1 << 22)]
-        saved.flush()
-        del raw, saved
-        (tmp / "doc_starts.raw").unlink()
+        _save_doc_starts(tmp, num_docs)
+        if not encode.masked:
+            (tmp / TRAIN).unlink()
         write_meta(tmp, dtype=np.dtype(dtype).name, num_tokens=offset, num_docs=num_docs,
-                   max_token=max_token, source=describe)
+                   max_token=max_token, source=describe, train_mask=encode.masked)
         os.replace(tmp, folder)
     except OSError as err:
         bar.close()
@@ -149,6 +190,18 @@ def build_entry(folder: Path, texts: Iterable[str], total: int | None, encode: E
         bar.close()
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _save_doc_starts(tmp: Path, num_docs: int) -> None:
+    """doc_starts.raw (int64, end to end) as the .npy array the entry keeps."""
+    raw = np.memmap(tmp / "doc_starts.raw", dtype=np.int64, mode="r", shape=(num_docs,))
+    saved = np.lib.format.open_memmap(tmp / DOC_STARTS, mode="w+", dtype=np.int64,
+                                      shape=(num_docs,))
+    for i in range(0, num_docs, 1 << 22):
+        saved[i:i + (1 << 22)] = raw[i:i + (1 << 22)]
+    saved.flush()
+    del raw, saved
+    (tmp / "doc_starts.raw").unlink()
 
 
 def ensure_entry(folder: Path, build: Callable[[Path], None]) -> Path:
@@ -176,17 +229,20 @@ def ensure_entry(folder: Path, build: Callable[[Path], None]) -> Path:
 def hf_stream(data, split: str) -> TokenStream:
     """The tokens of split ``split`` of the ``data=hf`` dataset (a ``HFDataConfig``)."""
     hf_dataset.check_source(data.path, split)
+    # the tokenizer's files hold its chat template; render_key: the record format, its fields,
+    # data.train_on
     key = hashlib.sha256("\0".join([
-        hf_dataset.fingerprint(data.path, split), data.text_field, str(data.template),
+        hf_dataset.fingerprint(data.path, split), sft.render_key(data),
         tokenizer_identity(data.tokenizer_path), str(FORMAT)]).encode()).hexdigest()[:20]
     name = Path(data.path.rstrip("/")).name.replace("*", "_") or "data"
     folder = cache_root(data.cache_dir) / f"{name}-{split}-{key}"
 
     def build(target: Path) -> None:
-        texts, total = hf_dataset.iter_documents(data.path, split, data.text_field,
-                                                 data.template)
-        build_entry(target, texts, total, Encoder(data.tokenizer_path),
-                    f"data.path={data.path!r} (split {split!r})")
+        encode = Encoder(data.tokenizer_path, masked=data.train_on == "completion")
+        docs, total = hf_dataset.iter_documents(
+            data.path, split, sft.record_fields(data), sft.field_options(data),
+            sft.Renderer(data, encode.tokenizer))
+        build_entry(target, docs, total, encode, f"data.path={data.path!r} (split {split!r})")
 
     return open_stream(ensure_entry(folder, build))
 

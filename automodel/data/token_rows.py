@@ -7,11 +7,16 @@ that would predict a new document's first token from the previous one's last is 
 transformers turns restarting positions into attention that stays inside each document
 (``find_packed_sequence_indices``), so a packed row trains exactly as its documents would
 one by one, without padding.
+
+A stream with a train mask (``data.train_on=completion``) gives rows whose labels are kept
+only where the mask says (the assistant turns, the completions): the mask is read with the
+tokens, so the labels travel with their rows in every layout.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 import torch
@@ -22,21 +27,27 @@ from automodel.data.token_stream import TokenStream
 
 @dataclass
 class PackedRows:
-    """Rows with document boundaries (``pack_boundaries``)."""
+    """Rows with document boundaries (``pack_boundaries``) and/or a train mask."""
 
     tokens: torch.Tensor  # [n, L + 1]
-    doc_start: torch.Tensor  # [n, L + 1] bool: a document starts at this token
+    doc_start: Optional[torch.Tensor]  # [n, L + 1] bool: a document starts at this token
+    train: Optional[torch.Tensor] = None  # [n, L + 1] bool: this token is a training target
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
 
     def __getitem__(self, index) -> "PackedRows":
-        return PackedRows(self.tokens[index], self.doc_start[index])
+        return PackedRows(*(None if t is None else t[index]
+                            for t in (self.tokens, self.doc_start, self.train)))
 
     def split(self):
-        """(inputs, labels, {"position_ids": positions restarting at each document})."""
+        """(inputs, labels[, {"position_ids": positions restarting at each document}])."""
         inputs = self.tokens[:, :-1].contiguous()
         labels = self.tokens[:, 1:].clone()
+        if self.train is not None:
+            labels[~self.train[:, 1:]] = IGNORE_INDEX  # not trained on (e.g. a prompt)
+        if self.doc_start is None:
+            return inputs, labels
         labels[self.doc_start[:, 1:]] = IGNORE_INDEX  # nothing predicts a document's start
         return inputs, labels, {"position_ids": restart_positions(self.doc_start[:, :-1])}
 
@@ -76,9 +87,14 @@ class TokenRows:
         offsets = rows[:, None] * self.width + np.arange(self.width)
         tokens = torch.from_numpy(np.asarray(self.stream.tokens[offsets.reshape(-1)],
                                              dtype=np.int64).reshape(len(rows), self.width))
-        if not self.pack_boundaries:
+        train = self.stream.train
+        if not self.pack_boundaries and train is None:
             return tokens
-        return PackedRows(tokens, self._doc_starts(rows))
+        if train is not None:
+            train = torch.from_numpy(np.asarray(train[offsets.reshape(-1)], dtype=bool)
+                                     .reshape(len(rows), self.width))
+        return PackedRows(tokens, self._doc_starts(rows) if self.pack_boundaries else None,
+                          train)
 
     def _doc_starts(self, rows: np.ndarray) -> torch.Tensor:
         starts = self.stream.doc_starts

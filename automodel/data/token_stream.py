@@ -12,6 +12,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 
@@ -21,6 +22,8 @@ class TokenStream:
     tokens: np.ndarray  # [n] token ids (a memory map for large corpora)
     doc_starts: np.ndarray  # [d] increasing offsets of each document's first token (0 first)
     max_token: int  # the largest id in ``tokens`` (checked against the model's vocabulary)
+    # [n] uint8, 1 where a token is a training target (``data.train_on=completion``); None: all
+    train: Optional[np.ndarray] = None
 
     @property
     def num_tokens(self) -> int:
@@ -43,6 +46,7 @@ class TokenStream:
 META = "meta.json"
 TOKENS = "tokens.bin"
 DOC_STARTS = "doc_starts.npy"
+TRAIN = "train.bin"  # one byte a token: 1 = trained on (only with data.train_on=completion)
 FORMAT = 1
 
 
@@ -83,4 +87,14 @@ def open_stream(folder: str | os.PathLike) -> TokenStream:
                          f"{META} says {meta['num_docs']} documents: corrupt; {fix}")
     tokens = (np.memmap(folder / TOKENS, dtype=dtype, mode="r", shape=(meta["num_tokens"],))
               if meta["num_tokens"] else np.zeros(0, dtype=dtype))
-    return TokenStream(tokens, starts, int(meta["max_token"]))
+    return TokenStream(tokens, starts, int(meta["max_token"]), _train_mask(folder, meta, fix))
+
+
+def _train_mask(folder: Path, meta: dict, fix: str) -> Optional[np.ndarray]:
+    if not meta.get("train_mask"):
+        return None
+    size = (folder / TRAIN).stat().st_size if (folder / TRAIN).exists() else -1
+    if size != meta["num_tokens"]:
+        raise ValueError(f"token cache {folder}: {TRAIN} has {size} bytes for "
+                         f"{meta['num_tokens']} tokens: corrupt; {fix}")
+    return np.memmap(folder / TRAIN, dtype=np.uint8, mode="r", shape=(meta["num_tokens"],))

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from automodel.checkpoint.manager import Checkpointer, checkpoint_bytes, warn_if_short_of_space
-from automodel.checkpoint.paths import checkpoint_root, complete_checkpoints
+from automodel.checkpoint.paths import checkpoint_root, complete_checkpoints, step_of
 from automodel.config.resolve import TrainConfig
 from automodel.data.batches import BatchPlan
 from automodel.data.sources import training_data
@@ -88,6 +88,9 @@ def _data(cfg: TrainConfig, setup: DistributedSetup, parallel: ModelParts,
     """(the batch plan, the pipeline step or None, the evaluator or None)."""
     t = cfg.trainer
     set_phase("data")
+    if hasattr(cfg.data, "tokenizer_path"):
+        log.info("data=%s: tokenizer %s", cfg.data_source,
+                 cfg.data.tokenizer_path or "none (byte-level tokens; data.tokenizer_path=null)")
     rows, held_out = training_data(cfg.data_source, cfg.data, t.seq_len, cfg.model)
     plan = BatchPlan(rows, t.global_batch_size, t.seed)
     pipeline = None
@@ -174,8 +177,12 @@ def restore(cfg: TrainConfig, parts: Components) -> int:
         found = complete_checkpoints(checkpointer.root)
         path = found[-1] if found else None
         if path is None:
-            log.info("checkpoint.resume=auto: no checkpoint in %s yet; starting at step 0",
-                     checkpointer.root)
+            log.warning("checkpoint.resume=auto: looked in %s and found no complete "
+                        "checkpoint; starting at step 0", checkpointer.root)
+        else:
+            log.warning("checkpoint.resume=auto: looked in %s and found the checkpoint of "
+                        "step %d (%s); resuming from it", checkpointer.root, step_of(path),
+                        path)
     if path is None:
         return 0
     step = checkpointer.load(path, parts.parallel.parts, parts.optimizer, parts.scheduler)

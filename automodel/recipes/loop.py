@@ -59,6 +59,8 @@ class Run:
         """Save a checkpoint after step ``step_number``."""
         cfg, parts, info = self.cfg, self.parts, self.info
         extra = {"tokenizer_path": getattr(cfg.data, "tokenizer_path", None)}
+        if self.steplog.tracker is not None:  # (a resumed run continues this W&B run)
+            extra["wandb_run_id"] = self.steplog.tracker.run.id
         with startup_timeout(info, self.group):  # rank 0 exports and prunes alone
             set_phase(f"checkpoint save (step {step_number}, "
                       f"{parts.checkpointer.path(step_number)})")
@@ -75,7 +77,8 @@ def start_run(cfg: TrainConfig, setup: DistributedSetup, parts: Components, outp
     prefetcher of the run's batches."""
     t, info = cfg.trainer, setup.dist
     last_step = t.stop_at_step or t.max_steps
-    steplog = StepLog(cfg, info, output_dir, start_step, last_step)
+    steplog = StepLog(cfg, info, output_dir, start_step, last_step,
+                      wandb_run_id=parts.checkpointer.loaded_meta.get("wandb_run_id"))
     stop = StopSignal().install()
     profiler = StepProfiler(t.profile_steps, output_dir, info.rank, info.is_main,
                             info.device.type)

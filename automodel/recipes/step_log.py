@@ -36,7 +36,8 @@ def local_peak_memory_bytes(info: DistInfo) -> int:
 
 class StepLog:
     def __init__(self, cfg: TrainConfig, info: DistInfo, output_dir: str, start_step: int,
-                 last_step: int):
+                 last_step: int, wandb_run_id: str | None = None):
+        """``wandb_run_id``: the W&B run of the checkpoint resumed from, which continues."""
         self.cfg, self.info = cfg, info
         self.records: list[dict] = []
         self.metrics = MetricsWriter(output_dir, info.is_main)
@@ -45,7 +46,8 @@ class StepLog:
             from automodel.tracking.wandb_logger import WandbTracker
 
             self.tracker = WandbTracker(cfg.logger.wandb, output_dir, cfg.resolved,
-                                        cfg.choices, cfg.overrides, cfg.sweep_dir)
+                                        cfg.choices, cfg.overrides, cfg.sweep_dir,
+                                        resumed_id=wandb_run_id, experiment=cfg.experiment)
         self.progress = Progress(last_step, enabled=info.is_main, initial=start_step)
         self.window_tokens, self.window_start = 0, time.perf_counter()
         self.peak = None

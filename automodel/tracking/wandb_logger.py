@@ -2,8 +2,10 @@
 
 One W&B run per job: the resolved config, ``hydra.runtime.choices`` (also as ``group:option``
 tags) and the overrides as config; every metrics.jsonl record as history; runs of one sweep
-grouped by the sweep's directory name. The run id is derived from the SLURM job (or the
-output directory), so a requeued job resumes the same run.
+grouped by the sweep's directory name. The run id is saved with every checkpoint, and a run
+resumed from one continues that W&B run (a resubmission, ``checkpoint.resume=auto``); a run
+that starts afresh derives its id from the SLURM job (or the output directory), so a requeued
+job resumes the same run.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ DEFAULT_PROJECT = "automodel"
 
 
 def init_kwargs(cfg: WandbConfig, output_dir: str, resolved: dict, choices: dict,
-                overrides: list, sweep_dir: str | None, env=os.environ) -> dict:
+                overrides: list, sweep_dir: str | None, env=os.environ,
+                resumed_id: str | None = None, experiment: str | None = None) -> dict:
     """The keyword arguments of ``wandb.init`` for this job (pure: no wandb, no files).
 
     ``mode``, ``entity``, ``project`` and ``dir`` come from the config when it sets them, else
@@ -42,6 +45,9 @@ def init_kwargs(cfg: WandbConfig, output_dir: str, resolved: dict, choices: dict
     changes, and one process may run several jobs (``parallelism=none``, sweeps, the API).
     With neither, ``mode`` and ``entity`` are left out (W&B's settings and defaults apply),
     the project is "automodel" and the run writes into the job's output directory.
+    The run id: ``logger.wandb.id``, else that of the checkpoint resumed from
+    (``resumed_id``), else derived from the job; the name: ``logger.wandb.name``, else the
+    experiment, else the output directory's name.
     """
     kwargs = {}
     for key, var in (("mode", "WANDB_MODE"), ("entity", "WANDB_ENTITY")):
@@ -53,8 +59,9 @@ def init_kwargs(cfg: WandbConfig, output_dir: str, resolved: dict, choices: dict
     group = cfg.group or (os.path.basename(os.path.normpath(sweep_dir)) if sweep_dir else None)
     kwargs.update(
         group=group, job_type=cfg.job_type,
-        name=cfg.name or os.path.basename(os.path.normpath(output_dir)),
-        tags=run_tags(choices, cfg.tags), id=cfg.id or stable_run_id(output_dir, env),
+        name=cfg.name or experiment or os.path.basename(os.path.normpath(output_dir)),
+        tags=run_tags(choices, cfg.tags),
+        id=cfg.id or resumed_id or stable_run_id(output_dir, env),
         resume="allow", reinit="finish_previous",
         config={"config": resolved, "choices": choices, "overrides": overrides})
     return kwargs
@@ -62,10 +69,12 @@ def init_kwargs(cfg: WandbConfig, output_dir: str, resolved: dict, choices: dict
 
 class WandbTracker:
     def __init__(self, cfg: WandbConfig, output_dir: str, resolved: dict, choices: dict,
-                 overrides: list, sweep_dir: str | None):
+                 overrides: list, sweep_dir: str | None, resumed_id: str | None = None,
+                 experiment: str | None = None):
         import wandb
 
-        kwargs = init_kwargs(cfg, output_dir, resolved, choices, overrides, sweep_dir)
+        kwargs = init_kwargs(cfg, output_dir, resolved, choices, overrides, sweep_dir,
+                             resumed_id=resumed_id, experiment=experiment)
         os.makedirs(kwargs["dir"], exist_ok=True)
         self.run = wandb.init(**kwargs)
 

@@ -72,8 +72,14 @@ def test_templates_and_data_files(tmp_path):
     stream = token_stream("hf", data)
     assert bytes(np.asarray(stream.tokens, np.uint8)).decode() == (
         "Q: add 1 and 1\nA: 2\nQ: name a colour\nA: red\n")
+    # chat messages as the text field are refused (data.format=chat renders them with the
+    # tokenizer's chat template: tests/data/test_chat_data.py); in a template, one line each
+    with pytest.raises(ValueError, match="holds chat messages: set data.format=chat "
+                                         "data.messages_field=chat"):
+        token_stream("hf", HFDataConfig(path=str(tmp_path / "*.parquet"),
+                                        cache_dir=str(tmp_path / "cache"), text_field="chat"))
     chat = token_stream("hf", HFDataConfig(path=str(tmp_path / "*.parquet"),
-                                           cache_dir=str(tmp_path / "cache"), text_field="chat"))
+                                           cache_dir=str(tmp_path / "cache"), template="{chat}"))
     assert bytes(np.asarray(chat.tokens, np.uint8)).decode() == (
         "user: hi\nuser: yo\nassistant: hey\n")
 

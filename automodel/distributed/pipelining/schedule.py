@@ -7,7 +7,7 @@
 | interleaved_1f1b            | ScheduleInterleaved1F1B          | >= 2            | loop      |
 | looped_bfs                  | ScheduleLoopedBFS (breadth-first)| >= 2            | loop      |
 | dfs                         | ScheduleInterleaved1F1B          | >= 2            | loop      |
-|                             | (depth-first interleaved order)  |                 |           |
+|                             | (an alias of interleaved_1f1b)   |                 |           |
 | zero_bubble                 | ScheduleInterleavedZeroBubble    | >= 2            | loop      |
 | v_schedule                  | ScheduleZBVZeroBubble            | 2               | V         |
 | dualpipev                   | ScheduleDualPipeV                | 2               | V         |

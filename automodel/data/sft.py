@@ -1,0 +1,116 @@
+"""Supervised fine-tuning records of ``data=hf`` (``data.format``): chat conversations rendered
+with the tokenizer's own chat template, and prompt/completion pairs.
+
+A record becomes a ``Document``: its text and, with ``data.train_on=completion``, the character
+ranges trained on (the assistant turns, or the completion). The assistant turns are found from
+the template itself, rendering the conversation prefix by prefix: turn ``i`` is what
+``messages[:i+1]`` adds to ``messages[:i]`` with the generation prompt (the assistant header is
+prompt, the turn's text and its end-of-turn marks are trained). That needs no
+``{% generation %}`` markers, and works for any template whose rendering of a conversation
+starts with its rendering of each prefix; a template that is not is refused, naming the record.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+RENDER_VERSION = "sft-1"  # in the token cache key: change it when rendering changes
+
+
+@dataclass
+class Document:
+    text: str
+    spans: Optional[list[tuple[int, int]]] = None  # trained [start, end) characters; None: all
+
+
+def record_fields(data) -> list[str]:
+    """The record fields ``data`` (a ``HFDataConfig``) reads."""
+    if data.format == "chat":
+        return [data.messages_field]
+    if data.format == "prompt_completion":
+        return [data.prompt_field, data.completion_field]
+    from automodel.data.hf_dataset import template_fields
+
+    return template_fields(data.text_field, data.template)
+
+
+def field_options(data) -> dict:
+    """Each field read -> the option naming it (for the error of a record without it)."""
+    if data.format == "chat":
+        return {data.messages_field: "data.messages_field"}
+    if data.format == "prompt_completion":
+        return {data.prompt_field: "data.prompt_field",
+                data.completion_field: "data.completion_field"}
+    return {data.text_field: "data.text_field"} if data.template is None else {}
+
+
+def render_key(data) -> str:
+    """What, besides the data and the tokenizer's files (its chat template among them), decides
+    the tokens and their labels: part of the token cache key."""
+    return "\0".join([RENDER_VERSION, data.format, data.train_on, data.text_field,
+                      str(data.template), data.messages_field, data.prompt_field,
+                      data.completion_field])
+
+
+def _field(record: dict, name: str, key: str, where: str):
+    if name not in record:
+        raise ValueError(f"{where}: no field {name!r} ({key}); the records have "
+                         f"{sorted(record)}")
+    return record[name]
+
+
+class Renderer:
+    """``record -> Document`` for ``data`` (a ``HFDataConfig``); ``tokenizer``: the loaded
+    tokenizer (None: byte-level tokens)."""
+
+    def __init__(self, data, tokenizer=None):
+        self.data = data
+        self.tokenizer = tokenizer
+        self.masked = data.train_on == "completion"
+        if data.format == "chat" and getattr(tokenizer, "chat_template", None) is None:
+            raise ValueError(f"data.format=chat: the tokenizer at data.tokenizer_path="
+                             f"{data.tokenizer_path!r} has no chat template; use a tokenizer "
+                             "that has one (its tokenizer_config.json or chat_template.jinja)")
+
+    def __call__(self, record: dict, where: str) -> Document | str:
+        data = self.data
+        if data.format == "chat":
+            messages = _field(record, data.messages_field, "data.messages_field", where)
+            return self.chat(list(messages), where)
+        if data.format == "prompt_completion":
+            prompt = str(_field(record, data.prompt_field, "data.prompt_field", where))
+            completion = str(_field(record, data.completion_field, "data.completion_field",
+                                    where))
+            text = prompt + completion
+            return Document(text, [(len(prompt), len(text))] if self.masked else None)
+        from automodel.data.hf_dataset import document_text
+
+        return document_text(record, data.text_field, data.template, where)
+
+    def _render(self, messages, generation_prompt: bool = False) -> str:
+        if not messages and not generation_prompt:
+            return ""
+        return self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                  add_generation_prompt=generation_prompt)
+
+    def chat(self, messages: list, where: str) -> Document:
+        text = self._render(messages)
+        if not self.masked:
+            return Document(text)
+        spans = []
+        for i, message in enumerate(messages):
+            if message.get("role") != "assistant":
+                continue
+            upto = self._render(messages[:i + 1])
+            header = self._render(messages[:i], generation_prompt=True)
+            if not upto.startswith(header):  # a template without a generation prompt
+                header = self._render(messages[:i])
+            if not (text.startswith(upto) and upto.startswith(header)):
+                raise ValueError(f"{where}: the chat template does not render this "
+                                 "conversation as the rendering of its first messages followed "
+                                 "by the rest, so its assistant turns cannot be found for "
+                                 "data.train_on=completion; use data.train_on=all, or a "
+                                 "template that renders earlier turns the same way")
+            spans.append((len(header), len(upto)))
+        return Document(text, spans)
