@@ -178,7 +178,7 @@ def _norm(grads) -> float:
 
 
 def test_masked_tokens_contribute_nothing_packed_and_sharded(chat_files, tmp_path):
-    from tests.distributed.test_parity import assert_matches
+    from tests.distributed.test_parity import assert_close_to_fp32, assert_matches
     from tests.helpers import FP32, TRAINER, train
 
     overrides = _overrides(chat_files, tmp_path) + ["data.eval_fraction=0.1",
@@ -204,6 +204,11 @@ def test_masked_tokens_contribute_nothing_packed_and_sharded(chat_files, tmp_pat
     assert_matches(sharded, single)
     np.testing.assert_allclose([r["eval_loss"] for r in sharded if "eval_loss" in r],
                                [r["eval_loss"] for r in single if "eval_loss" in r], rtol=1e-5)
+    # the defaults users run (bf16 parameters) with 2 micro-batches per rank: the masked token
+    # count must be the global batch's, whatever micro-batch the trained tokens fall in
+    default = train(["parallelism=fsdp2", "trainer.local_batch_size=2"] + overrides,
+                    tmp_path / "default", base=TRAINER)
+    assert_close_to_fp32(default, single, loss_rtol=2e-2)
 
 
 @pytest.mark.fast
