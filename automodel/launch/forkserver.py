@@ -45,17 +45,23 @@ def context() -> multiprocessing.context.BaseContext:
 def _start_server() -> None:
     """Start the server now (if not running), importing from this process's ``sys.path``.
     (Python 3.11's server ignores the path it is handed, so it would import automodel from
-    wherever its own default path finds it, e.g. another checkout's editable install.)"""
-    saved = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        [p or os.getcwd() for p in sys.path] + ([saved] if saved else []))
+    wherever its own default path finds it, e.g. another checkout's editable install.) In the
+    server, torch answers ``cuda.is_available()`` through NVML, which does not start the CUDA
+    driver: a driver started before the fork would be unusable in every rank."""
+    server_env = {"PYTHONPATH": os.pathsep.join(
+        [p or os.getcwd() for p in sys.path]
+        + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])),
+        "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
+    saved = {k: os.environ.get(k) for k in server_env}
+    os.environ.update(server_env)
     try:
         forkserver.ensure_running()
     finally:
-        if saved is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = saved
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def launcher_environment() -> dict:

@@ -12,7 +12,15 @@ def _report():
             "added": os.environ.get("AUTOMODEL_TEST_ADDED"),
             "removed": os.environ.get("AUTOMODEL_TEST_REMOVED"),
             "preloaded": "transformers.models.auto.modeling_auto" in sys.modules,
-            "parent": os.getppid()}
+            "parent": os.getppid(),
+            # the server's own environment (captured when it preloaded the module)
+            "server_nvml_check": _server_env().get("PYTORCH_NVML_BASED_CUDA_CHECK")}
+
+
+def _server_env():
+    from automodel.launch import forkserver
+
+    return forkserver._START_ENV
 
 
 def test_forked_ranks_see_the_launchers_environment_of_now(monkeypatch):
@@ -29,6 +37,9 @@ def test_forked_ranks_see_the_launchers_environment_of_now(monkeypatch):
         # forked from the server, which imported the heavy modules once
         assert r["preloaded"]
         assert r["parent"] != os.getpid()
+        # torch in the server asks NVML, not the CUDA driver, whether CUDA is there: a driver
+        # started before the fork would be unusable in the ranks
+        assert r["server_nvml_check"] == "1"
 
 
 PROBE = '''
