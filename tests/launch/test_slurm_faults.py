@@ -126,8 +126,9 @@ def test_preempted_hydra_sweep_job_resumes(uninterrupted, tmp_path):
 
 
 def test_dead_rank_fails_the_job_promptly_and_is_named(tmp_path):
-    # Bound: the launcher returns within 60 s of submitting (measured ~12 s, most of it
-    # start-up); a hang would wait for the 10-minute collective timeout set here.
+    # Bound: the launcher returns within 180 s of submitting (measured 12-25 s, most of it
+    # start-up and the submit-time preflight); a hang would wait for the 10-minute collective
+    # timeout set here, so the bound separates the two with room for a slow machine.
     start = time.monotonic()
     out = run(["--wait", "--tasks-per-node", "2", "--output-dir", str(tmp_path / "job"),
                "distributed.timeout_minutes=10"] + JOB, ROOT, cmd=LAUNCHER,
@@ -135,7 +136,7 @@ def test_dead_rank_fails_the_job_promptly_and_is_named(tmp_path):
     elapsed = time.monotonic() - start
     assert out.returncode == 1
     assert re.search(r"SLURM job \d+ failed: rank 1 ended first \(Killed\)", out.stderr)
-    assert elapsed < 60, f"{elapsed:.0f} s"
+    assert elapsed < 180, f"{elapsed:.0f} s"
     # the same through a Hydra sweep on SLURM: the sweep fails, srun's line names the rank
     start = time.monotonic()
     sweep = run(["-m", "hydra/launcher=slurm", "hydra.launcher.tasks_per_node=2",
@@ -144,7 +145,7 @@ def test_dead_rank_fails_the_job_promptly_and_is_named(tmp_path):
     elapsed = time.monotonic() - start
     assert sweep.returncode != 0
     assert re.search(r"task 1: Killed", sweep.stderr), sweep.stderr
-    assert elapsed < 60, f"{elapsed:.0f} s"
+    assert elapsed < 180, f"{elapsed:.0f} s"
 
 
 def test_a_failing_rank_names_its_root_cause(tmp_path):
