@@ -14,6 +14,7 @@ rank the launcher's environment of now, keeping what the elastic agent set for t
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import sys
@@ -52,10 +53,18 @@ def _start_server() -> None:
         [p or os.getcwd() for p in sys.path]
         + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])),
         "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
-    saved = {k: os.environ.get(k) for k in server_env}
-    os.environ.update(server_env)
-    try:
+    with environment_restored(server_env):
+        os.environ.update(server_env)
         forkserver.ensure_running()
+
+
+@contextlib.contextmanager
+def environment_restored(keys):
+    """On exit, ``keys`` of this process's environment are as they were on entry (set back, or
+    removed where they were unset)."""
+    saved = {k: os.environ.get(k) for k in keys}
+    try:
+        yield
     finally:
         for k, v in saved.items():
             if v is None:

@@ -146,15 +146,20 @@ def launch(cfg: TrainConfig):
 
     nproc = cfg.distributed.nproc_per_node
     threads = max(1, (os.cpu_count() or 1) // nproc)
-    saved = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "AUTOMODEL_NUM_THREADS")}
-    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
-    os.environ.setdefault("AUTOMODEL_NUM_THREADS", os.environ["OMP_NUM_THREADS"])
+    with forkserver.environment_restored(("OMP_NUM_THREADS", "AUTOMODEL_NUM_THREADS")):
+        os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+        os.environ.setdefault("AUTOMODEL_NUM_THREADS", os.environ["OMP_NUM_THREADS"])
+        results = _launch_local_ranks(cfg, nproc)
+    return results[0]
+
+
+def _launch_local_ranks(cfg: TrainConfig, nproc: int) -> dict:
     # the ranks' failure summaries come back through a queue, not a file (a full disk must
     # not silence them)
     channel = forkserver.context().SimpleQueue()
     try:
-        results = run_on_local_ranks(_rank_entry, nproc, cfg, channel,
-                                     stop_grace_seconds=cfg.distributed.stop_grace_seconds)
+        return run_on_local_ranks(_rank_entry, nproc, cfg, channel,
+                                  stop_grace_seconds=cfg.distributed.stop_grace_seconds)
     except ChildFailedError as err:
         codes = {f.exitcode for f in err.failures.values()}
         if codes <= {128 + s for s in STOP_SIGNALS}:  # the ranks were signalled and saved
@@ -162,13 +167,6 @@ def launch(cfg: TrainConfig):
         raise LaunchError(_failure_message(err, channel)) from None
     except SignalException as err:  # this process was told to stop; its ranks saved
         raise _stopped(cfg, int(err.sigval)) from None
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-    return results[0]
 
 
 def _stopped(cfg: TrainConfig, signum: int) -> TrainingStopped:
