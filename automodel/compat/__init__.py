@@ -11,7 +11,7 @@ pinned and tested versions, and the fix.
 
 from __future__ import annotations
 
-from automodel.compat import hf, pipeline_stage, torch_dist, torch_nn
+from automodel.compat import hf, pipeline_stage, planning, torch_dist, torch_memory, torch_nn
 from automodel.compat.core import PINNED, TESTED_WITH, CompatError, Internal, check_entries
 from automodel.compat.hf import (
     can_set_attn_implementation,
@@ -41,6 +41,15 @@ from automodel.compat.torch_dist import (
     set_all_group_timeouts,
     set_options_timeout,
 )
+from automodel.compat.torch_memory import (
+    FLIGHT_RECORDER_ENV,
+    dispatch_mode_base,
+    flight_recorder_entries,
+    is_tensor_subclass,
+    is_tensor_subclass_type,
+    tensor_leaves,
+    watch_storage_resizes,
+)
 from automodel.compat.torch_nn import (
     checkpoint_wrapper_api,
     child_module,
@@ -57,7 +66,16 @@ from automodel.compat.torch_nn import (
 )
 
 INTERNALS: list[Internal] = [*hf.INTERNALS, *torch_dist.INTERNALS, *pipeline_stage.INTERNALS,
-                             *torch_nn.INTERNALS]
+                             *torch_nn.INTERNALS, *torch_memory.INTERNALS]
+
+
+# what plan.py needs besides: checked when a plan starts, not by every training job
+PLANNING_INTERNALS: list[Internal] = list(planning.INTERNALS)
+
+
+def check_planning_compat() -> None:
+    """``check_compat`` for the planner's own internals (``compat/planning.py``)."""
+    check_entries(PLANNING_INTERNALS)
 
 
 def check_compat() -> None:
@@ -67,7 +85,8 @@ def check_compat() -> None:
 
 
 __all__ = [
-    "CompatError", "INTERNALS", "Internal", "PINNED", "TESTED_WITH",
+    "CompatError", "INTERNALS", "Internal", "PINNED", "PLANNING_INTERNALS", "TESTED_WITH",
+    "check_planning_compat",
     "building_mesh_outside_this_rank", "can_set_attn_implementation", "causal_lm_class",
     "check_compat", "check_entries", "checkpoint_wrapper_api", "child_module",
     "computation_types", "csv_schedule", "defer_reduce_grad", "enable_symmetric_memory",
@@ -78,4 +97,7 @@ __all__ = [
     "packed_sequence_finder", "parameters_on_meta", "patch_is_packed_sequence",
     "replace_parameter_table", "set_all_group_timeouts", "set_buffer", "set_options_timeout",
     "set_parameter", "stages_of", "unwrapped_name", "wrap_recv_methods",
+    "FLIGHT_RECORDER_ENV", "flight_recorder_entries", "dispatch_mode_base",
+    "is_tensor_subclass", "is_tensor_subclass_type", "tensor_leaves",
+    "watch_storage_resizes",
 ]

@@ -17,6 +17,8 @@ _RECV = {"forward_setup": "_setup_forward_recv_info",
          "grads": "_retrieve_recv_grads"}
 
 _ACTIONS = ("RECV_F", "RECV_B", "FORWARD", "FULL_BACKWARD", "BACKWARD_INPUT")
+_PLAN = "plan.py (the pipeline bubble from the schedule's action list)"
+_ACTION_FIELDS = ("stage_index", "computation_type", "microbatch_index", "sub_actions")
 
 INTERNALS = [
     Internal(_STAGE, "PipelineStage._setup_forward_recv_info", _POOL,
@@ -41,6 +43,15 @@ INTERNALS = [
              patched=False, kind=type),
     Internal(_SCHEDULES, "_PipelineScheduleRuntime._load_csv", "pipeline.pp_schedule_csv",
              patched=False, params=("self", "filename", "format")),
+    Internal(_SCHEDULES, "_Action", _PLAN, patched=False, check=lambda t: None if set(
+        _ACTION_FIELDS) <= set(getattr(t, "_fields", ())) else
+        f"lacks one of the fields {', '.join(_ACTION_FIELDS)}"),
+    Internal(_SCHEDULES, "_PipelineScheduleRuntime._prepare_schedule_with_comms", _PLAN,
+             patched=False, params=("self", "actions"), check=lambda f: None if
+             "pipeline_order_with_comms" in f.__code__.co_names else
+             "no longer sets pipeline_order_with_comms (the lowered action list)"),
+    Internal(_SCHEDULES, "PipelineScheduleSingle.pipeline_order", _PLAN, patched=False,
+             assigned_in=True),
 ]
 
 
@@ -87,3 +98,27 @@ def csv_schedule(stages, csv_path: str, csv_format: str, **kwargs):
     schedule = _PipelineScheduleRuntime(stages, **kwargs)
     schedule._load_csv(csv_path, format=csv_format)
     return schedule
+
+
+def lowered_actions(schedule) -> dict[int, list[tuple]]:
+    """rank -> the actions a torch schedule object runs, in order, as ``(kind, stage,
+    micro-batch)`` (kind: torch's ``_ComputationType`` value: ``F``, ``B``, ``I``, ``W``,
+    ``SEND_F``, ``UNSHARD``, ...; micro-batch None for stage-wide actions). Runtime schedules
+    (every multi-stage one, and CSV): ``pipeline_order_with_comms``, the list their
+    ``_step_microbatches`` walks, after torch's lowering (send/recv, unshard/reshard, reduce).
+    Single-stage ones (GPipe, 1F1B): ``pipeline_order``, torch's IR of the order their
+    ``_step_microbatches`` hard-codes. torch's idle placeholders (None) are dropped; an
+    ``OVERLAP_F_B`` becomes its sub-actions, which the runtime runs one after the other."""
+    order = getattr(schedule, "pipeline_order_with_comms", None) or schedule.pipeline_order
+    if not order:
+        raise ValueError(f"{type(schedule).__name__} has no action list (pipeline_order)")
+    out = {}
+    for rank, actions in order.items():
+        flat = []
+        for a in actions:
+            if a is None:
+                continue
+            for sub in a.sub_actions or (a,):
+                flat.append((sub.computation_type.value, sub.stage_index, sub.microbatch_index))
+        out[rank] = flat
+    return out

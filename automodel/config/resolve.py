@@ -24,6 +24,7 @@ from automodel.config.validate import (
     check_checkpoint,
     check_distributed,
     check_optim,
+    check_tensor_memory,
     check_tensor_parallel,
     check_trainer_options,
     resolve_sequence_parallel,
@@ -176,6 +177,7 @@ def resolve(cfg, env: Optional[Mapping[str, str]] = None, output_dir: str = ".",
         check_pipeline_model(pipeline, mesh, model, trainer)
     data = check_data(source, build(source.schema, plain["data"], "data"), model)
     check_trainer_options(trainer, pipeline, strategy)
+    check_tensor_memory(trainer, par)
     check_data_with_layout(data, trainer, mesh, pipeline, par)
     optim = build(s.OptimConfig, plain["optim"], "optim")
     check_optim(optim)

@@ -292,6 +292,10 @@ class TrainerConfig:
     loss: Loss = Loss.auto  # fused: the LM head and the loss together, chunked | plain | auto
     loss_chunk_tokens: int = 1024  # tokens per chunk of the fused loss
     profile_steps: Optional[List[int]] = None  # [first, last]: torch.profiler over those steps
+    # peak_tensor_bytes in metrics.jsonl (each rank's peak of live tensor bytes per step): null =
+    # on a GPU (the CUDA allocator's count, free) | true = on the CPU too (a dispatch mode
+    # counting storages: a few microseconds per operator) | false = never
+    track_tensor_memory: Optional[bool] = None
 
 
 # --------------------------------------------------------------------------- tracking

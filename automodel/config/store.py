@@ -10,6 +10,7 @@ from hydra.core.config_store import ConfigStore
 
 from automodel.config import schema as s
 from automodel.config import strategies
+from automodel.config.plan_schema import PlanConfig
 from automodel.data.registry import DATA_SOURCES, SHIPPED
 
 # group -> {option name -> schema class} of the shipped options. The strategies and the data
@@ -26,6 +27,7 @@ SCHEMAS = {
     "trainer": {"default": s.TrainerConfig},
     "logger": {"default": s.LoggerConfig},
     "checkpoint": {"default": s.CheckpointConfig},
+    "plan": {"default": PlanConfig},  # (plan.py only)
 }
 
 

@@ -71,6 +71,16 @@ def check_trainer_options(trainer: s.TrainerConfig, pipeline, strategy) -> None:
                           f"1..trainer.max_steps={trainer.max_steps}")
 
 
+def check_tensor_memory(trainer: s.TrainerConfig, par) -> None:
+    """The CPU count of live tensors is a dispatch mode, under which torch.compile compiles
+    nothing."""
+    if trainer.track_tensor_memory and getattr(par, "enable_compile", False):
+        raise ConfigError("trainer.track_tensor_memory=true with parallelism.enable_compile="
+                          "true: the CPU count of live tensors (a dispatch mode) would stop "
+                          "torch.compile from compiling; set trainer.track_tensor_memory=null "
+                          "(a GPU still counts them, with its allocator) or turn compile off")
+
+
 def check_optim(o: s.OptimConfig) -> None:
     if o.name != "adamw":
         raise ConfigError(f"optim.name={o.name!r}: allowed: adamw")

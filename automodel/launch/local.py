@@ -136,6 +136,9 @@ def _user_signals_stop():
 
 def launch(cfg: TrainConfig):
     """Run the job; returns rank 0's result (its metric records)."""
+    from automodel.models.builder import check_weights
+
+    check_weights(cfg.model)  # (not in the preflight: plan.py takes a config.json alone)
     if cfg.launch.kind == "slurm":  # this srun task is one rank
         from automodel.launch.slurm import export_rank_environment
 

@@ -3,10 +3,13 @@ directory, with the parameters ``model.freeze`` names frozen."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
 from automodel.compat import parameters_on_meta
+from automodel.config.build import ConfigError
 from automodel.config.schema import ModelConfig
 from automodel.models.multimodal import auto_class, freeze, text_config
 
@@ -32,8 +35,31 @@ def build_meta_model(cfg: ModelConfig) -> nn.Module:
     return _finish(model, cfg)
 
 
+def check_weights(cfg: ModelConfig) -> None:
+    """Training from ``model.pretrained_path`` reads its weights: a directory with a
+    config.json only (enough for the meta model, the preflight and plan.py) cannot train."""
+    from transformers.utils import (
+        SAFE_WEIGHTS_INDEX_NAME,
+        SAFE_WEIGHTS_NAME,
+        WEIGHTS_INDEX_NAME,
+        WEIGHTS_NAME,
+    )
+
+    names = (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME)
+    path = cfg.pretrained_path
+    if path is None or any(os.path.isfile(os.path.join(path, n)) for n in names):
+        return
+    raise ConfigError(f"model.pretrained_path={path!r} holds no weights (none of "
+                      f"{', '.join(names)}): its config.json is enough to plan or check a "
+                      "layout, but training starts from the checkpoint's weights. Point it at "
+                      "the whole checkpoint, or train this architecture from scratch by giving "
+                      "its config.json's keys under model.config with no pretrained_path (as "
+                      "the presets model=llama3_1_8b, qwen3_8b, ... do)")
+
+
 def build_model(cfg: ModelConfig, seed: int) -> nn.Module:
     """Same ``seed`` -> same initial weights on every rank and every layout."""
+    check_weights(cfg)
     dtype = getattr(torch, cfg.dtype)
     torch.manual_seed(seed)
     config = hf_config(cfg)

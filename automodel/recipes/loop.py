@@ -25,6 +25,7 @@ from automodel.recipes.components import Components
 from automodel.recipes.step import train_step
 from automodel.recipes.step_log import StepLog
 from automodel.recipes.step_values import StepValues, read_step
+from automodel.tracking.memory import TensorPeak, tensor_peak_for
 from automodel.tracking.profile import StepProfiler
 
 log = logging.getLogger("automodel")
@@ -46,6 +47,7 @@ class Run:
     saved_step: int  # the step of the last checkpoint (saved or resumed from)
     number: int  # the number of the last step run (1-based; start_step before any)
     stopped_by: int | None = None  # the signal that stopped the run early
+    tensor_peak: TensorPeak | None = None  # peak_tensor_bytes (trainer.track_tensor_memory)
 
     @property
     def info(self) -> DistInfo:
@@ -87,7 +89,9 @@ def start_run(cfg: TrainConfig, setup: DistributedSetup, parts: Components, outp
         lambda step: plan.micro_batches(step, setup.dp_rank, setup.dp_size, t.local_batch_size),
         t.prefetch_steps, last_step, pin_memory=setup.device.type == "cuda")
     return Run(cfg, setup, parts, steplog, stop, profiler, batches, start_step, last_step,
-               saved_step=start_step, number=start_step)
+               saved_step=start_step, number=start_step,
+               tensor_peak=tensor_peak_for(info.device, t.track_tensor_memory,
+                                           parts.parallel.parts, parts.optimizer.optimizers))
 
 
 def run_steps(run: Run) -> None:
@@ -118,13 +122,25 @@ def one_step(run: Run, step: int) -> tuple[StepValues, float, float]:
     """Step ``step + 1``: forward and backward, the step's one read, then the optimizer step
     (which a non-finite step never runs); returns (its values, its learning rate, its
     seconds)."""
-    cfg, parts, number = run.cfg, run.parts, step + 1
+    parts, number = run.parts, step + 1
     set_phase(f"step {number}")
     parts.faults.before_step(number)
     run.profiler.begin(number)
     started = time.perf_counter()
     lr = parts.scheduler.get_last_lr()[0]
     micro = run.batches.get(step)
+    with (run.tensor_peak.window(micro) if run.tensor_peak is not None
+          else contextlib.nullcontext()):
+        values = _step_and_update(run, number, micro)
+    parts.scheduler.step()
+    run.profiler.end(number)
+    return values, lr, time.perf_counter() - started
+
+
+def _step_and_update(run: Run, number: int, micro) -> StepValues:
+    """Forward, backward and clipping, the step's one read, the optimizer step (counted in
+    ``run.tensor_peak``'s window when it counts on the CPU)."""
+    cfg, parts = run.cfg, run.parts
     hooks = parts.faults.poison_logits(number, parts.parallel.parts)
     if parts.pipeline is not None:
         stats = parts.pipeline(micro, cfg.optim.max_grad_norm)
@@ -134,9 +150,10 @@ def one_step(run: Run, step: int) -> tuple[StepValues, float, float]:
     for h in hooks:
         h.remove()
     # The step's one device-to-host read (loss, norm, tokens, peak memory, the stop signal of
-    # any rank): the same values on every rank, so every rank takes the same branches. Before
-    # the optimizer step, which a non-finite step never runs.
-    values = read_step(stats, run.info, run.stop.received, run.group)
+    # any rank, each rank's peak of live tensor bytes): the same values on every rank, so
+    # every rank takes the same branches. Before the optimizer step, which a non-finite step
+    # never runs.
+    values = read_step(stats, run.info, run.stop.received, run.group, run.tensor_peak)
     if values.finite:
         with record_function("automodel::optimizer"):
             parts.optimizer.step()
@@ -144,9 +161,7 @@ def one_step(run: Run, step: int) -> tuple[StepValues, float, float]:
         _nonfinite(number, values.loss, values.grad_norm, cfg.trainer.on_nonfinite,
                    run.saved_step)
     parts.optimizer.zero_grad(set_to_none=True)
-    parts.scheduler.step()
-    run.profiler.end(number)
-    return values, lr, time.perf_counter() - started
+    return values
 
 
 @contextlib.contextmanager

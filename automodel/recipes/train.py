@@ -17,6 +17,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from automodel.compat import FLIGHT_RECORDER_ENV
 from automodel.config.resolve import TrainConfig
 from automodel.distributed.context_parallel import build_context_parallel
 from automodel.distributed.init import DistInfo, destroy_distributed, init_distributed
@@ -159,6 +160,8 @@ def run_rank(cfg: TrainConfig) -> list[dict] | None:
     threads = os.environ.get("AUTOMODEL_NUM_THREADS")
     if threads:
         torch.set_num_threads(int(threads))
+    if cfg.trainer.profile_steps:  # the flight recorder keeps each collective's group
+        os.environ.setdefault(FLIGHT_RECORDER_ENV, "20000")
     set_phase("process group start")
     info = init_distributed(cfg.distributed.backend, cfg.distributed.timeout_minutes,
                             startup_timeout_minutes=cfg.distributed.startup_timeout_minutes,

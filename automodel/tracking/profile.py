@@ -6,7 +6,10 @@ The steps ``first..last`` run under ``torch.profiler``. Each rank writes its tra
 labels the step puts on its parts (``automodel::forward``, ``loss``, ``backward``, ``clip``,
 ``optimizer``); *collectives* is the time the main thread spends launching and waiting for
 communication inside them; *host work* is the rest of the step (data, bookkeeping, logging).
-Costs nothing outside those steps.
+The trace records operators' shapes, so each collective's tensor sizes are in it; and each
+rank writes ``profile/collectives_rank<r>.json``: the collectives of those steps as c10d's
+flight recorder saw them, with their process groups (``planning/measured.py`` reads both).
+Costs nothing outside those steps (the flight recorder: a ring buffer of records).
 """
 
 from __future__ import annotations
@@ -15,9 +18,12 @@ import json
 import logging
 import os
 import re
+import time
 from collections import defaultdict
 
 import torch
+
+from automodel.compat import flight_recorder_entries
 
 log = logging.getLogger(__name__)
 PHASES = ("forward", "loss", "backward", "clip", "optimizer")
@@ -54,6 +60,23 @@ def breakdown(events, steps: int) -> dict:
     return out
 
 
+def write_collectives(path: str, start_ns: int, end_ns: int) -> None:
+    """The flight recorder's collectives created between ``start_ns`` and ``end_ns`` (wall
+    clock, as the trace's), with ``complete``: whether the recorder still held the first of
+    them (false: its buffer, ``TORCH_FR_BUFFER_SIZE``, was too small or it was off)."""
+    entries = flight_recorder_entries()
+    kept = [{"pg_name": e["process_group"][0], "pg_desc": e["process_group"][1],
+             "name": e["profiling_name"], "time_created_ns": e["time_created_ns"],
+             "input_sizes": e["input_sizes"], "input_dtypes": e["input_dtypes"],
+             "output_sizes": e["output_sizes"], "output_dtypes": e["output_dtypes"],
+             "is_p2p": e.get("is_p2p", False)}
+            for e in entries if start_ns <= e["time_created_ns"] <= end_ns]
+    complete = bool(entries) and entries[0]["time_created_ns"] < start_ns
+    with open(path, "w") as f:
+        json.dump({"start_ns": start_ns, "end_ns": end_ns, "complete": complete,
+                   "collectives": kept}, f)
+
+
 class StepProfiler:
     def __init__(self, steps, output_dir: str, rank: int, is_main: bool,
                  device_type: str = "cpu"):
@@ -71,8 +94,9 @@ class StepProfiler:
             activities = [torch.profiler.ProfilerActivity.CPU]
             if self.device_type == "cuda":
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
-            self.prof = torch.profiler.profile(activities=activities)
+            self.prof = torch.profiler.profile(activities=activities, record_shapes=True)
             self.prof.__enter__()
+            self.started_ns = time.time_ns()
         if self.prof is not None:
             self.step_range = torch.profiler.record_function("automodel::step")
             self.step_range.__enter__()
@@ -86,6 +110,8 @@ class StepProfiler:
         self.prof.__exit__(None, None, None)
         os.makedirs(self.dir, exist_ok=True)
         self.prof.export_chrome_trace(os.path.join(self.dir, f"trace_rank{self.rank}.json"))
+        write_collectives(os.path.join(self.dir, f"collectives_rank{self.rank}.json"),
+                          self.started_ns, time.time_ns())
         table = breakdown(self.prof.events(), self.last - self.first + 1)
         with open(os.path.join(self.dir, f"breakdown_rank{self.rank}.json"), "w") as f:
             json.dump({"steps": [self.first, self.last], "seconds_per_step": table}, f, indent=1)

@@ -79,7 +79,9 @@ class WandbTracker:
         self.run = wandb.init(**kwargs)
 
     def log(self, record: dict) -> None:
-        self.run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+        self.run.log({k: v for k, v in record.items()  # (no per-rank lists, no nulls)
+                      if k != "step" and v is not None and not isinstance(v, list)},
+                     step=record["step"])
 
     def finish(self) -> None:
         self.run.finish()

@@ -10,6 +10,7 @@ import pytest
 
 from automodel.config import schema as s
 from automodel.config import strategies
+from automodel.config.plan_schema import PlanConfig
 from automodel.config.store import SCHEMAS
 from automodel.data.registry import SHIPPED
 
@@ -30,6 +31,7 @@ PREFIXES = {
     s.TrainerConfig: "trainer",
     s.CheckpointConfig: "checkpoint",
     s.LoggerConfig: "logger",  # its one field leads to WandbConfig: logger.wandb.*
+    PlanConfig: "plan",  # (plan.py's node: conf/plan.yaml)
 }
 
 

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 from torch.distributed.pipelining import schedules as S
 
-from automodel.config.pipeline_layout import SCHEDULE_SHAPES, canonical_schedule
+from automodel.config.pipeline_csv import read_csv_layout
+from automodel.config.pipeline_layout import SCHEDULE_SHAPES, canonical_schedule, count_stages
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,48 @@ def stages_of_rank(pp_rank: int, pp_size: int, num_stages: int, v_placement: boo
         assert num_stages == 2 * pp_size, "V schedules place exactly two stages per rank"
         return [pp_rank, 2 * pp_size - 1 - pp_rank]
     return list(range(pp_rank, num_stages, pp_size))
+
+
+def stage_layout(pipeline, pp_size: int, num_layers: int | None = None
+                 ) -> tuple[int, list[list[int]]]:
+    """(total stage count, each pp rank's stage indices) for the pipeline config: the CSV's
+    rows, else one stage per entry of ``module_fqns_per_model_part``, else ``count_stages``
+    (``num_layers`` is read only with ``layers_per_stage``). The run (``stages.split_model``)
+    and the planner (``planning/bubble.py``) both place stages with it."""
+    if pipeline.pp_schedule_csv is not None:  # the CSV says which stages each rank runs
+        layout = read_csv_layout(pipeline.pp_schedule_csv)
+        return layout.num_stages, layout.stages_by_rank
+    spec = schedule_spec(pipeline.pp_schedule)
+    if pipeline.module_fqns_per_model_part is not None:
+        num_stages = len(pipeline.module_fqns_per_model_part)
+    else:
+        if pipeline.layers_per_stage is not None and num_layers is None:
+            raise ValueError("pipeline.layers_per_stage sets the stage count from the model's "
+                             "layers: pass num_layers")
+        num_stages = count_stages(num_layers, pp_size, spec.multi_stage, spec.v_placement,
+                                  pipeline.layers_per_stage,
+                                  pipeline.round_virtual_stages_to_pp_multiple)
+    return num_stages, [stages_of_rank(r, pp_size, num_stages, spec.v_placement)
+                        for r in range(pp_size)]
+
+
+def make_schedule(stages: list, pipeline, n_microbatches: int, **kwargs):
+    """The torch schedule automodel runs for the pipeline config, over this rank's stages
+    (``PipelineStage`` objects, in ``stage_layout`` order); ``kwargs`` (``loss_fn``, ...) go
+    to its constructor. One home for config -> schedule class and arguments: the run
+    (``stages.build_schedule``) and the planner (``planning/bubble.py``) both build with it."""
+    kwargs = dict(n_microbatches=n_microbatches, scale_grads=pipeline.scale_grads_in_schedule,
+                  **kwargs)
+    if pipeline.pp_schedule_csv is not None:
+        from automodel.compat import csv_schedule
+
+        return csv_schedule(stages, pipeline.pp_schedule_csv,
+                            read_csv_layout(pipeline.pp_schedule_csv).format, **kwargs)
+    spec = schedule_spec(pipeline.pp_schedule)
+    if spec.multi_stage:
+        return spec.cls(stages, **kwargs)
+    [stage] = stages
+    return spec.cls(stage, **kwargs)
 
 
 assert {k: (v.multi_stage, v.v_placement) for k, v in SCHEDULES.items()} == SCHEDULE_SHAPES

@@ -6,9 +6,7 @@ import torch
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
-from automodel.config.pipeline_csv import read_csv_layout
-from automodel.config.pipeline_layout import count_stages
-from automodel.distributed.pipelining.schedule import schedule_spec, stages_of_rank
+from automodel.distributed.pipelining.schedule import make_schedule, stage_layout
 from automodel.distributed.pipelining.split import build_stage, contents_from_fqns, even_contents
 from automodel.imports import load_object
 from automodel.loss import summed_cross_entropy
@@ -19,19 +17,10 @@ def split_model(model: nn.Module, pipeline, pp_rank: int, pp_size: int):
     """(stage modules of this rank, their stage indices, total stage count)."""
     anatomy = find_anatomy(model)
     num_layers = anatomy.num_layers
+    num_stages, by_rank = stage_layout(pipeline, pp_size, num_layers)
+    mine = by_rank[pp_rank]
     if pipeline.module_fqns_per_model_part is not None:
         contents = contents_from_fqns(model, anatomy, pipeline.module_fqns_per_model_part)
-        num_stages = len(contents)
-    if pipeline.pp_schedule_csv is not None:  # the CSV says which stages each rank runs
-        layout = read_csv_layout(pipeline.pp_schedule_csv)
-        num_stages, mine = layout.num_stages, layout.stages_by_rank[pp_rank]
-    else:
-        spec = schedule_spec(pipeline.pp_schedule)
-        if pipeline.module_fqns_per_model_part is None:
-            num_stages = count_stages(num_layers, pp_size, spec.multi_stage, spec.v_placement,
-                                      pipeline.layers_per_stage,
-                                      pipeline.round_virtual_stages_to_pp_multiple)
-        mine = stages_of_rank(pp_rank, pp_size, num_stages, spec.v_placement)
     if pipeline.module_fqns_per_model_part is None:
         # layers_per_stage fixes the split when it tiles the model exactly; after rounding the
         # stage count to a multiple of pp, the layers are spread evenly instead.
@@ -130,15 +119,4 @@ def build_schedule(parts, stage_ids, num_stages, pipeline, device, pp_group, n_m
                 outputs = (outputs, sums)
             examples = {"input_args": inputs, "output_args": outputs}
         stages.append(PipelineStage(part, sid, num_stages, device, group=pp_group, **examples))
-    kwargs = dict(n_microbatches=n_microbatches, loss_fn=loss,
-                  scale_grads=pipeline.scale_grads_in_schedule)
-    if pipeline.pp_schedule_csv is not None:
-        from automodel.compat import csv_schedule
-
-        return csv_schedule(stages, pipeline.pp_schedule_csv,
-                            read_csv_layout(pipeline.pp_schedule_csv).format, **kwargs)
-    spec = schedule_spec(pipeline.pp_schedule)
-    if spec.multi_stage:
-        return spec.cls(stages, **kwargs)
-    [stage] = stages
-    return spec.cls(stage, **kwargs)
+    return make_schedule(stages, pipeline, n_microbatches, loss_fn=loss)

@@ -1,0 +1,120 @@
+"""Glue between ``plan.py`` (Hydra) and the planner: the training config resolved for the
+job's world size, the plan (or the search) made, ``plan.json`` and ``plan.png`` written."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+
+from automodel.config.build import ConfigError, build
+from automodel.config.plan_schema import PlanConfig
+
+log = logging.getLogger("automodel.plan")
+
+
+def run_plan(cfg):
+    from hydra.core.hydra_config import HydraConfig
+
+    try:
+        return _run(cfg, HydraConfig.get())
+    except ConfigError as err:
+        print(f"automodel: configuration error:\n{err}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def split_plan_node(cfg):
+    """(the training config without ``plan``, the ``PlanConfig``)."""
+    from omegaconf import OmegaConf, open_dict
+
+    train = cfg.copy()
+    with open_dict(train):
+        node = train.pop("plan")
+    plan = build(PlanConfig, OmegaConf.to_container(node, resolve=True), "plan")
+    return train, plan
+
+
+def planning_env(plan: PlanConfig, mesh_dp_size) -> dict:
+    """The environment the config is resolved in: as if ``torchrun`` had started
+    ``plan.gpus`` ranks (the layout then fills the data-parallel degree), or a plain launch of
+    the mesh's ranks; never this machine's GPUs."""
+    if plan.gpus is not None:
+        if plan.gpus < 1:
+            raise ConfigError(f"plan.gpus={plan.gpus} must be >= 1")
+        return {"TORCHELASTIC_RUN_ID": "plan", "WORLD_SIZE": str(plan.gpus),
+                "LOCAL_WORLD_SIZE": str(plan.gpus), "RANK": "0", "CUDA_VISIBLE_DEVICES": ""}
+    if mesh_dp_size is None:
+        raise ConfigError("plan.py needs the job's size: set plan.gpus=<GPUs> (the mesh's "
+                          "data-parallel degree is then inferred) or mesh.dp_size")
+    return {"CUDA_VISIBLE_DEVICES": ""}
+
+
+def resolve_for_plan(cfg, hc, plan: PlanConfig, output_dir: str):
+    """The ``TrainConfig`` of the job planned, checked as a launch would check it (the
+    model's layout: TP plan, pipeline split, context-parallel split), without reading data."""
+    from automodel.config.resolve import resolve
+    from automodel.launch.preflight import check_model_layout
+
+    overrides = [o for o in hc.overrides.task if not o.lstrip("+~").startswith("plan.")]
+    env = planning_env(plan, cfg.mesh.dp_size)
+    train = resolve(cfg, env=env, output_dir=output_dir, choices=dict(hc.runtime.choices),
+                    overrides=overrides)
+    check_model_layout(train)
+    return train
+
+
+def _run(cfg, hc):
+    from automodel.compat import check_planning_compat
+    from automodel.planning.gpus import profile
+
+    train_cfg, plan_cfg = split_plan_node(cfg)
+    gpu = profile(plan_cfg.gpu, **plan_cfg.gpu_spec)
+    out = hc.runtime.output_dir
+    train = resolve_for_plan(train_cfg, hc, plan_cfg, out)
+    check_planning_compat()
+    if plan_cfg.search:
+        from automodel.planning.search import run_search
+
+        return run_search(train, gpu, plan_cfg, out)
+    from automodel.planning.plan import make_plan
+
+    result = make_plan(train, gpu, plan_cfg.calibration, plan_cfg.workers)
+    write_plan(result, out, plan_cfg.picture)
+    print(summary(result))
+    return result
+
+
+def write_plan(plan: dict, out: str, picture: bool = True) -> str:
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, "plan.json")
+    with open(path, "w") as f:
+        json.dump(plan, f, indent=1)
+    if picture:
+        from automodel.planning.picture import draw_plan
+
+        draw_plan(plan, os.path.join(out, "plan.png"))
+    return path
+
+
+def summary(plan: dict) -> str:
+    """What the plan says, in a few lines (plan.json has the rest)."""
+    gib = 2**30
+    lay = plan["layout"]
+    lines = [f"plan: {plan['model']['name']} ({plan['model']['parameters'] / 1e9:.2f}B "
+             f"parameters) on {plan['world_size']} x {plan['gpu']['name']}: "
+             + " x ".join(f"{k} {lay[k]}" for k in ("pp", "dp_replicate", "dp_shard", "cp",
+                                                     "tp", "ep") if lay[k] > 1)]
+    for r in plan["ranks"]:
+        lines.append(f"  {r['name']} (x{r['count']}): peak {r['peak_bytes'] / gib:.2f} GiB "
+                     f"+ {r['overhead_bytes'] / gib:.2f} GiB overhead, "
+                     f"{'fits' if r['fits'] else 'DOES NOT FIT'}; "
+                     f"{r['flops'] / 1e12:.1f} TFLOP/step")
+    t = plan["time"]
+    lines.append(f"  step {plan['step_time_s']:.3f} s (compute {t['compute_s']:.3f}, exposed "
+                 f"comm {t['exposed_comm_s']:.3f}, bubble {t['bubble_s']:.3f}); "
+                 f"{plan['tokens_per_s']:.0f} tokens/s")
+    lines += [f"  warning: {w}" for w in plan["warnings"]]
+    lines.append(f"  run it: {plan['command']}")
+    return "\n".join(lines)
+

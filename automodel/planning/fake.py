@@ -1,0 +1,71 @@
+"""What the planner's fake mode needs beyond torch's ``FakeTensorMode``.
+
+- ``RealStaysReal``: an op whose tensor inputs are all real host tensors runs for real. The
+  mesh's own index arithmetic (``DeviceMesh`` finds a rank's coordinates with ``nonzero`` on
+  its rank tensor, e.g. when FSDP2 joins a TP mesh) and the batch's token counting then work
+  as in a real run; everything that touches a parameter or an activation stays fake. Factory
+  ops (no tensor input) stay fake, so nothing large is ever allocated.
+- ``allocate_fake``: ``parallelize``'s materialization: every parameter and buffer of the parts
+  gets fake storage of its shape, dtype and placement; tied weights stay tied.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from automodel.compat import (
+    direct_buffers,
+    direct_parameters,
+    dispatch_mode_base,
+    set_buffer,
+    set_parameter,
+    tensor_leaves,
+)
+from automodel.compat.planning import is_fake, real_tensors
+
+
+def _is_real(t: torch.Tensor) -> bool:
+    return type(t) in (torch.Tensor, nn.Parameter) and not is_fake(t) and t.device.type == "cpu"
+
+
+class RealStaysReal(dispatch_mode_base()):
+    """Enter after ``FakeTensorMode``: ops on real tensors only run for real."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tensors = [a for a in tensor_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        if tensors and all(map(_is_real, tensors)):
+            with real_tensors():
+                return func(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def allocate_fake(parts: list) -> None:
+    """Fake storage for every parameter and buffer of ``parts`` (built on the meta device)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    made: dict = {}
+    for part in parts:
+        if any(isinstance(m, FSDPModule) for m in part.modules()):
+            part.to_empty(device="cpu")  # (FSDP2 re-makes its sharded parameters)
+            continue
+        for module in part.modules():
+            for name, p in direct_parameters(module):
+                if p is not None and p.device.type == "meta":
+                    if id(p) not in made:
+                        made[id(p)] = nn.Parameter(_empty(p), requires_grad=p.requires_grad)
+                    set_parameter(module, name, made[id(p)])
+            for name, b in direct_buffers(module):
+                if b is not None and b.device.type == "meta":
+                    made.setdefault(id(b), _empty(b))
+                    set_buffer(module, name, made[id(b)])
+
+
+def _empty(t: torch.Tensor) -> torch.Tensor:
+    if isinstance(t, DTensor):
+        return DTensor.from_local(torch.empty_like(t.to_local(), device="cpu"), t.device_mesh,
+                                  t.placements, run_check=False, shape=t.shape,
+                                  stride=t.stride())
+    return torch.empty_like(t, device="cpu")

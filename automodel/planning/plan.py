@@ -1,0 +1,154 @@
+"""A job's plan: its rank classes simulated, costed on a GPU profile, and judged.
+
+``make_plan(cfg, profile)`` returns the dict written to ``plan.json`` (docs/planning.md lists its
+fields). A rank class is a set of ranks that hold the same pieces of the model and do the
+same work: one per pipeline rank (its stages); every data-, context-, tensor- and
+expert-parallel position of a stage holds an equal share, so one rank stands for all of
+them (the first: where FSDP's shards are uneven it holds the larger one).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import multiprocessing
+import os
+from dataclasses import dataclass
+
+from automodel.config.resolve import TrainConfig
+from automodel.planning import cost
+from automodel.planning.gpus import GpuProfile
+from automodel.planning.warnings import plan_warnings
+
+
+@dataclass(frozen=True)
+class RankClass:
+    name: str
+    rank: int  # the rank simulated
+    count: int  # ranks like it
+
+
+def rank_classes(cfg: TrainConfig) -> list[RankClass]:
+    layout = cfg.layout
+    if layout.pp == 1:
+        return [RankClass("every rank", 0, layout.world_size)]
+    return [RankClass(f"pp rank {i}", i * layout.per_stage, layout.per_stage)
+            for i in range(layout.pp)]
+
+
+def simulate_classes(cfg: TrainConfig, classes: list[RankClass],
+                     workers: int | None = None) -> list[dict]:
+    """Each class's rank simulated in a fresh process (a process group each), in parallel."""
+    workers = min(len(classes), workers or os.cpu_count() or 1)
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context,
+                                                max_tasks_per_child=1) as pool:
+        return list(pool.map(_simulate, [cfg] * len(classes), [c.rank for c in classes]))
+
+
+def _simulate(cfg: TrainConfig, rank: int) -> dict:
+    import warnings
+
+    from automodel.planning.simulate import as_dict, simulate_rank
+
+    warnings.filterwarnings("ignore")  # (FSDP2's view-output caution, on every forward)
+    return as_dict(simulate_rank(cfg, rank))
+
+
+def make_plan(cfg: TrainConfig, profile: GpuProfile, calibration: dict | None = None,
+              workers: int | None = None, simulations: list[dict] | None = None) -> dict:
+    """The plan of ``cfg`` on ``profile`` GPUs. ``simulations``: the classes' simulations
+    when already made (the search re-costs them)."""
+    classes = rank_classes(cfg)
+    sims = simulations if simulations is not None else simulate_classes(cfg, classes, workers)
+    pipeline = pipeline_summary(cfg)
+    bubble = pipeline["bubble"] if pipeline else 0.0
+    sizes = cost.mesh_sizes(cfg.layout)
+    ranks = [_rank_entry(c, s, profile, sizes, bubble, calibration)
+             for c, s in zip(classes, sims)]
+    slowest = max(ranks, key=lambda r: r["time"]["step_time_s"])
+    tokens = cfg.trainer.global_batch_size * cfg.trainer.seq_len
+    plan = {
+        "command": command_line(cfg), "world_size": cfg.layout.world_size,
+        "layout": layout_dict(cfg), "model": model_summary(cfg),
+        "batch": {"global_batch_size": cfg.trainer.global_batch_size,
+                  "local_batch_size": cfg.trainer.local_batch_size,
+                  "seq_len": cfg.trainer.seq_len, "grad_accum_steps": cfg.grad_accum_steps},
+        "gpu": profile.as_dict(), "calibration": dict(calibration or {}),
+        "ranks": ranks,
+        "comm_bytes_per_step": max((r["comm_bytes_per_step"] for r in ranks),
+                                   key=lambda c: sum(sum(k.values()) for k in c.values())),
+        "bubble": bubble, "pipeline": pipeline,
+        "flops_per_step": sum(r["flops"] * r["count"] for r in ranks),
+        "step_time_s": slowest["time"]["step_time_s"], "time": slowest["time"],
+        "tokens_per_s": tokens / slowest["time"]["step_time_s"],
+        "overhead_bytes": max(r["overhead_bytes"] for r in ranks),
+        "fits": all(r["fits"] for r in ranks),
+    }
+    plan["warnings"] = plan_warnings(plan, cfg, profile)
+    return plan
+
+
+def _rank_entry(c: RankClass, sim: dict, profile: GpuProfile, sizes: dict, bubble: float,
+                calibration: dict | None) -> dict:
+    stages = sim["stages"]
+    name = c.name if len(stages) < 2 or not c.name.startswith("pp") else \
+        f"{c.name} (stages {', '.join(map(str, stages))})"
+    time = cost.step_time(sim["flops"], sim["comm"], sizes, profile, bubble, calibration)
+    peak = sim["peak_bytes"]
+    return {"name": name, "count": c.count, "example_rank": c.rank, "stages": stages,
+            "peak_bytes": peak, "memory": sim["memory"], "memory_detail": sim["detail"],
+            "recv_buffer_bytes": sim["recv_buffer_bytes"], "flops": sim["flops"],
+            "comm_bytes_per_step": sim["comm"], "comm_calls_per_step": sim["comm_calls"],
+            "time": time.as_dict(),
+            "overhead_bytes": profile.overhead(peak),
+            "headroom_bytes": profile.headroom(peak), "fits": profile.headroom(peak) >= 0}
+
+
+def pipeline_summary(cfg: TrainConfig) -> dict | None:
+    """The schedule this job's pipeline runs (torch's own, lowered to its actions): its
+    micro-batches, its bubble (idle share of the ranks' time, forward 1, backward 2) and the
+    micro-batches each stage holds at once. None without a pipeline."""
+    if cfg.pipeline is None:
+        return None
+    from automodel.planning.bubble import bubble_fraction, in_flight, schedule_timeline
+
+    p = cfg.pipeline
+    batch = p.pp_batch_size or cfg.layout.per_rank_batch(cfg.trainer.global_batch_size)
+    n = batch // p.pp_microbatch_size
+    timeline = schedule_timeline(p, cfg.layout.pp, n)
+    return {"schedule": cfg.choices.get("pipeline", p.pp_schedule), "microbatches": n,
+            "stages": timeline.num_stages, "bubble": bubble_fraction(timeline),
+            "in_flight": in_flight(timeline)}
+
+
+def layout_dict(cfg: TrainConfig) -> dict:
+    lay = cfg.layout
+    return {"pp": lay.pp, "dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard,
+            "cp": lay.cp, "cp_ulysses": lay.cp_ulysses, "tp": lay.tp, "ep": lay.ep,
+            "strategy": cfg.strategy.name,
+            "pipeline": cfg.choices.get("pipeline", "none") if cfg.pipeline else "none",
+            "activation_checkpointing": cfg.activation_checkpointing}
+
+
+def model_summary(cfg: TrainConfig) -> dict:
+    from automodel.models.builder import build_meta_model
+
+    model = build_meta_model(cfg.model)
+    params = {id(p): p for p in model.parameters()}.values()
+    return {"name": cfg.choices.get("model", type(model).__name__),
+            "class": type(model).__name__,
+            "parameters": sum(p.numel() for p in params),
+            "trainable_parameters": sum(p.numel() for p in params if p.requires_grad)}
+
+
+def command_line(cfg: TrainConfig) -> str:
+    """The train.py command line that runs what this plan describes: the overrides planned,
+    with the mesh spelled out (so the layout does not depend on the world it starts in)."""
+    lay = cfg.layout
+    mesh = {"dp_size": lay.dp, "dp_replicate_size": lay.dp_replicate, "tp_size": lay.tp,
+            "cp_size": lay.cp, "cp_ulysses_size": lay.cp_ulysses, "pp_size": lay.pp,
+            "ep_size": lay.ep}
+    kept = [o for o in cfg.overrides if not o.lstrip("+~").startswith(("mesh.", "plan."))]
+    spelled = [f"mesh.{k}={v}" for k, v in mesh.items()
+               if v > 1 or k in ("dp_size", "pp_size") and cfg.pipeline is not None]
+    return " ".join(["python train.py", *kept, *spelled])

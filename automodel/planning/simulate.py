@@ -1,0 +1,199 @@
+"""One rank of a job, simulated in this process: automodel's own code on fake tensors.
+
+For rank ``r`` of a world of ``N``: a fake process group of ``N`` ranks (collectives return at
+once and move nothing), automodel's mesh on it, the model built on the meta device, automodel's
+``parallelize`` with ``to_empty`` under ``FakeTensorMode`` as the materialization (shapes,
+dtypes and placements are real; no byte is allocated), the real optimizer and the real step
+(``train_step`` or the pipeline's ``PipelineStep``) on host batches of the configured shapes.
+
+The optimizer's states are made first, as its first step would make them (one step on zero
+gradients, not reported: a first step's peak holds one-off allocations). Then one training
+step runs under torch's memory tracker (live tensor bytes by kind, their peak), a collective
+counter (``planning/comm.py``) and a FLOP counter (``planning/flops.py``): the steady state,
+as the second and later steps of a run. (On layouts of every kind the peak equals that of a
+second step after a real first one, at half the time.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from automodel.compat.planning import (
+    fake_store,
+    fake_tensor_mode,
+    memory_tracker,
+    peak_snapshot,
+    pipeline_warmup_without_peers,
+    value_checks_pass_on_fake_tensors,
+)
+from automodel.config.resolve import TrainConfig
+from automodel.planning.comm import CommCounter, axis_groups
+from automodel.planning.fake import RealStaysReal, allocate_fake
+from automodel.planning.flops import FlopCounter
+
+# the memory tracker's kinds -> the plan's categories
+CATEGORIES = {"Parameter": "parameters_sharded", "Gradient": "gradients",
+              "Optstate": "optimizer_states", "Activation": "activations",
+              "Temp": "temporary", "Buffer": "other", "Other": "other"}
+MEMORY_KEYS = ("parameters_sharded", "parameters_unsharded", "gradients", "optimizer_states",
+               "activations", "temporary", "other")
+
+
+@dataclass
+class RankSimulation:
+    rank: int
+    stages: list  # pipeline stage ids this rank holds ([0] without a pipeline)
+    peak_bytes: int  # live tensor bytes at the peak of the second step
+    memory: dict  # the peak split by MEMORY_KEYS
+    detail: dict  # the tracker's own kinds at the peak (all-gather, reduce-scatter, ...)
+    comm: dict  # mesh axis -> collective kind -> bytes of one step
+    flops: int  # FLOPs of one step on this rank (forward, backward, recomputation)
+    recv_buffer_bytes: int = 0  # the pipeline's pooled receive buffers
+    comm_calls: dict = dataclasses.field(default_factory=dict)  # axis -> kind -> collectives
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int, rank: int):
+    """A fake default process group: this process is ``rank`` of ``world_size``."""
+    if dist.is_initialized():
+        raise RuntimeError("simulate_rank needs a process without a process group")
+    dist.init_process_group("fake", store=fake_store(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def simulate_rank(cfg: TrainConfig, rank: int) -> RankSimulation:
+    """Build and run ``cfg``'s job as its rank ``rank`` would, on fake tensors."""
+    from automodel.distributed.init import DistInfo
+    from automodel.distributed.mesh import build_mesh_for
+    from automodel.planning.batches import planning_batches
+    from automodel.recipes.train import build_setup
+
+    cpu = torch.device("cpu")
+    cfg = static_stage_shapes(cfg)
+    with fake_world(cfg.layout.world_size, rank):
+        mesh = build_mesh_for(cfg.layout, "cpu", "fake", cfg.distributed.timeout_minutes)
+        info = DistInfo("fake", cpu, rank, cfg.layout.world_size, rank)
+        setup = build_setup(cfg, info, mesh)
+        batches = planning_batches(cfg, setup)  # host tensors, made before the fake mode
+        with fake_tensor_mode(), pipeline_warmup_without_peers(), \
+                value_checks_pass_on_fake_tensors():
+            with RealStaysReal():  # (the mesh's index arithmetic, while parallelizing)
+                job = _build(cfg, setup)
+            return _measure(job, batches(1), rank, axis_groups(mesh))
+
+
+def static_stage_shapes(cfg: TrainConfig) -> TrainConfig:
+    """Pipeline stages learn their input shapes from their peers at run time unless
+    ``pipeline.pp_seq_len`` states them; a simulated rank has no peers, so it states them
+    (the same tensors either way)."""
+    if cfg.pipeline is None or cfg.pipeline.pp_seq_len is not None:
+        return cfg
+    return dataclasses.replace(cfg, pipeline=dataclasses.replace(
+        cfg.pipeline, pp_seq_len=cfg.trainer.seq_len))
+
+
+@dataclass
+class _Job:
+    parallel: object
+    optimizer: object
+    step: object  # callable(micro_batches): one training step with the optimizer's
+    pipeline: object = None
+
+
+def _build(cfg: TrainConfig, setup) -> _Job:
+    from automodel.models.builder import build_meta_model
+    from automodel.optim import Optimizers
+    from automodel.parallelize import parallelize
+    from automodel.planning.moe import balanced_routing
+    from automodel.planning.strategies import planning_strategy
+    from automodel.recipes.router_loss import RouterLoss
+    from automodel.recipes.step import train_step
+
+    model = build_meta_model(cfg.model)
+    router_loss = RouterLoss.of(model)
+    setup.strategy = planning_strategy(setup.strategy)  # (DDP: a stand-in; refusals)
+    parallel = parallelize(model, setup, allocate_fake)
+    balanced_routing(parallel.parts)  # (expert parallelism: balanced all-to-alls)
+    optimizer = Optimizers(parallel.parts, cfg.optim)
+    if setup.strategy.wrap_optimizer is not None:
+        parallel.parts[:] = setup.strategy.hook("wrap_optimizer")(parallel.parts, optimizer,
+                                                                 setup)
+    pipeline = None
+    if setup.pp_enabled:
+        from automodel.recipes.pipeline_step import PipelineStep
+
+        pipeline = PipelineStep(parallel, setup,
+                                cfg.layout.per_rank_batch(cfg.trainer.global_batch_size),
+                                router_loss)
+    clip = cfg.optim.max_grad_norm
+
+    def step(micro):
+        if pipeline is not None:
+            pipeline(micro, clip)
+        else:
+            train_step(parallel.parts[0], setup, micro, clip, router_loss, parallel.head_loss)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return _Job(parallel, optimizer, step, pipeline)
+
+
+def _measure(job: _Job, micro, rank: int, axis_of: dict) -> RankSimulation:
+    """The optimizer states made under the memory tracker (tracked from their creation on),
+    then one training step under it again (a new peak) and the counters."""
+    tracker = memory_tracker(list(job.parallel.parts), list(job.optimizer.optimizers))
+    with tracker:
+        _make_optimizer_states(job)
+    tracker.reset_mod_stats()
+    counter, flops = CommCounter(axis_of), FlopCounter()
+    with tracker, flops, counter:
+        job.step(micro)
+    detail = peak_snapshot(tracker)
+    total = detail.pop("Total")
+    memory = dict.fromkeys(MEMORY_KEYS, 0)
+    for kind, n in detail.items():
+        memory[CATEGORIES[kind]] += n
+    # the tracker's parameters are those registered at its peak: under FSDP2 the gathered
+    # ones too, told apart here by the shards each rank keeps
+    sharded = sharded_parameter_bytes(job.parallel.parts)
+    memory["parameters_unsharded"] = max(0, memory["parameters_sharded"] - sharded)
+    memory["parameters_sharded"] -= memory["parameters_unsharded"]
+    recv = job.pipeline.local_recv_buffer_bytes() if job.pipeline is not None else 0
+    return RankSimulation(rank, list(job.parallel.stage_ids), total, memory, detail,
+                          counter.result(), flops.total, recv, counter.call_counts())
+
+
+def _make_optimizer_states(job: _Job) -> None:
+    """The optimizer's states, as its first step makes them: one step on zero gradients."""
+    for opt in job.optimizer.optimizers:
+        for group in opt.param_groups:
+            for p in group["params"]:
+                p.grad = torch.zeros_like(p)
+    job.optimizer.step()
+    job.optimizer.zero_grad(set_to_none=True)
+
+
+def sharded_parameter_bytes(parts: list) -> int:
+    """Bytes of the parameters this rank keeps between steps (its shards)."""
+    from torch.distributed.tensor import DTensor
+
+    seen, n = set(), 0
+    for part in parts:
+        for p in part.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                t = p.to_local() if isinstance(p, DTensor) else p
+                n += t.numel() * t.element_size()
+    return n
+
+
+def as_dict(sim: RankSimulation) -> dict:
+    return dataclasses.asdict(sim)
