@@ -13,12 +13,16 @@ def compose(overrides: list[str] | None = None):
     """The composed DictConfig for these overrides (``conf/train.yaml`` + groups)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
 
     from automodel.config.cli_check import check_choice_overrides
     from automodel.config.store import register_schemas
 
     register_schemas()
     check_choice_overrides(list(overrides or []))
+    if GlobalHydra.instance().is_initialized():  # inside a Hydra app (plan.py): its conf/
+        return hydra_compose(config_name="train", overrides=list(overrides or []),
+                             return_hydra_config=True)
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         return hydra_compose(config_name="train", overrides=list(overrides or []),
                              return_hydra_config=True)

@@ -5,6 +5,7 @@ which argument of each collective op holds its process group."""
 from __future__ import annotations
 
 import contextlib
+import threading
 
 from automodel.compat.core import Internal
 
@@ -25,6 +26,10 @@ INTERNALS = [
              assigned_in=True),
     Internal(f"{_TOOLS}.mem_tracker", "MemTracker._update_peak_stats", _FEATURE,
              params=("self", "peak_state")),
+    Internal(f"{_TOOLS}.mem_tracker", "MemTracker._track_module_params_and_buffers",
+             _FEATURE, params=("self", "module", "install_grad_hooks")),
+    Internal(f"{_TOOLS}.mem_tracker", "MemTracker._param_to_grad_hook_handles", _FEATURE,
+             assigned_in=True),
     Internal(f"{_TOOLS}.mem_tracker", "MemTracker._curr_mem_snap", _FEATURE, patched=False,
              assigned_in=True),
     Internal(f"{_TOOLS}.mem_tracker", "MemTracker._peak_mem_snap", _FEATURE, patched=False,
@@ -52,10 +57,24 @@ def memory_tracker(roots: list, optimizers: list):
     from torch.distributed._tools.mem_tracker import MemTracker
 
     class StepMemTracker(MemTracker):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if in_sharding_propagation():  # (no tensor of the rank: see below)
+                return func(*args, **(kwargs or {}))
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
         def _pre_fw_hook(self, module, inputs):
             if module in self.memory_tracking and not self._mod_tracker.is_bw:
                 del self.memory_tracking[module]  # (a new run of it: fresh module stats)
             return super()._pre_fw_hook(module, inputs)
+
+        def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
+            # torch's registers a gradient hook on every parameter, which a frozen one
+            # (``model.freeze``) refuses: a frozen parameter gets no gradient, so it is
+            # entered as hooked already (with handles that remove nothing)
+            for p in module.parameters():
+                if not p.requires_grad and p not in self._param_to_grad_hook_handles:
+                    self._param_to_grad_hook_handles[p] = (_NoHook(), _NoHook())
+            return super()._track_module_params_and_buffers(module, install_grad_hooks)
 
         def _update_peak_stats(self, peak_state):
             # the whole rank's peak only: torch's also walks every module's statistics on
@@ -68,6 +87,43 @@ def memory_tracker(roots: list, optimizers: list):
     tracker = StepMemTracker()
     tracker.track_external(*roots, *optimizers)
     return tracker
+
+
+class _NoHook:
+    def remove(self) -> None:
+        pass
+
+
+_PROPAGATION = threading.local()
+
+
+def in_sharding_propagation() -> bool:
+    """Whether DTensor is now working out an operator's output shape: it runs the operator on
+    fake tensors of the global shapes, in the active fake mode (the planner's), so the
+    planner's counters must not take those for the rank's own tensors, FLOPs or traffic (in a
+    real run they live in a fake mode of DTensor's own and cost nothing)."""
+    return getattr(_PROPAGATION, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def sharding_propagation_marked():
+    """Inside, ``in_sharding_propagation()`` tells DTensor's shape propagation apart."""
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    original = ShardingPropagator._propagate_tensor_meta_non_cached
+
+    def marked(self, *args, **kwargs):
+        _PROPAGATION.depth = getattr(_PROPAGATION, "depth", 0) + 1
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            _PROPAGATION.depth -= 1
+
+    ShardingPropagator._propagate_tensor_meta_non_cached = marked
+    try:
+        yield
+    finally:
+        ShardingPropagator._propagate_tensor_meta_non_cached = original
 
 
 def peak_snapshot(tracker) -> dict:
@@ -94,6 +150,13 @@ def collective_group(func, args):
 
 
 _SCHEDULES = "torch.distributed.pipelining.schedules"
+INTERNALS += [
+    Internal("torch.distributed.tensor._sharding_prop",
+             "ShardingPropagator._propagate_tensor_meta_non_cached", _FEATURE,
+             params=("self", "op_schema")),
+    Internal(f"{_TOOLS}.mem_tracker", "MemTracker.__torch_dispatch__", _FEATURE,
+             params=("self", "func", "types", "args", "kwargs")),
+]
 INTERNALS += [
     Internal(_SCHEDULES, "_PipelineSchedule._warmup_p2p", _FEATURE,
              params=("self", "stages", "has_backward", "p2p_done")),

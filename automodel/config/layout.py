@@ -104,6 +104,16 @@ class Layout:
     def world_size(self) -> int:
         return self.pp * self.per_stage
 
+    def canonical_axis(self, axis: str) -> str:
+        """The name of the ranks an axis joins: a flattened view over one axis of size > 1
+        is that axis (``dp_shard_cp`` without cp is ``dp_shard``); others keep their name.
+        The planner and the measured collectives key bytes by it."""
+        axis = getattr(axis, "value", axis)
+        if axis not in FLATTENED:
+            return axis
+        used = [a for a in FLATTENED[axis] if self.size(a) > 1]
+        return used[0] if len(used) == 1 else axis
+
     def size(self, axis: str) -> int:
         """The size of a base axis, a flattened view, or an axis of the MoE mesh."""
         axis = getattr(axis, "value", axis)

@@ -22,7 +22,12 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from automodel.compat import dispatch_mode_base
-from automodel.compat.planning import collective_group, collective_ops, op_name
+from automodel.compat.planning import (
+    collective_group,
+    collective_ops,
+    in_sharding_propagation,
+    op_name,
+)
 
 # op name -> (kind, where the sized tensors are: an argument index, or "out" for the result)
 _OPS = {
@@ -69,6 +74,8 @@ class CommCounter(dispatch_mode_base()):
         self._ops = collective_ops()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if in_sharding_propagation():  # (DTensor's shape arithmetic, not the rank's work)
+            return func(*args, **(kwargs or {}))
         if any(t is DTensor for t in types):
             return NotImplemented  # (DTensor's own collectives come back here)
         kwargs = kwargs or {}
@@ -116,10 +123,8 @@ def axis_groups(mesh) -> dict:
 
     named: dict = {}
     for axis in (*BASE_AXES, *FLATTENED):
-        if mesh.size(axis) > 1:  # (a view joining one axis of size > 1 is that axis)
-            used = [a for a in FLATTENED.get(axis, (axis,)) if mesh.size(a) > 1]
-            name = used[0].value if len(used) == 1 else axis.value
-            named.setdefault(mesh[axis].get_group(), name)
+        if mesh.size(axis) > 1:
+            named.setdefault(mesh[axis].get_group(), mesh.layout.canonical_axis(axis))
     if mesh.moe is not None:
         for name in mesh.moe.mesh_dim_names:
             if mesh.moe[name].size() > 1:

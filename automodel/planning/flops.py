@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from automodel.compat import dispatch_mode_base
-from automodel.compat.planning import op_packet
+from automodel.compat.planning import in_sharding_propagation, op_packet
 
 aten = torch.ops.aten
 
@@ -55,6 +55,8 @@ class FlopCounter(dispatch_mode_base()):
         self.total = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if in_sharding_propagation():  # (DTensor's shape arithmetic, not the rank's work)
+            return func(*args, **(kwargs or {}))
         if any(t is DTensor for t in types):
             return NotImplemented  # (its local ops come back here)
         kwargs = kwargs or {}

@@ -18,7 +18,8 @@ same wall clock) gives the group. A send or receive has no entry: it is counted 
 Bytes, as the planner counts them: the collective's tensor on this rank (all_gather: the
 gathered output; reduce_scatter: the input; all_reduce, broadcast, send, recv: the tensor;
 all_to_all: what this rank sends). The step's own bookkeeping read (``automodel::read``) is
-left out.
+left out, and so are collectives on a group of one rank (a mesh axis of size 1: nothing
+leaves the rank; the planner does not count them either).
 """
 
 from __future__ import annotations
@@ -79,6 +80,8 @@ def comm_bytes_from_trace(trace_path: str, axis_of_ranks: dict | None = None,
             raise ValueError(f"{trace_path}: {e['name']} at {start} ns has no flight-recorder "
                              "entry (was TORCH_FR_BUFFER_SIZE set before the process group "
                              "started?)")
+        if entry is not None and len(ranks_of.get(str(entry["pg_name"]), "..")) == 1:
+            continue  # a group of one rank: nothing leaves the rank (the planner's rule)
         axis = p2p_axis if entry is None else _axis(entry, ranks_of, axis_of_ranks or {})
         out[axis][kind] += _bytes(e, arg, entry, events)
     n = max(len(steps), 1)
@@ -146,3 +149,15 @@ def _bytes(op: dict, arg: int, entry: dict | None, events: list) -> int:
     if size is None:
         raise ValueError(f"unknown element type {kind!r} of {op['name']}")
     return elements * size
+
+
+def comm_bytes_by_axis(trace_path: str, layout, p2p_axis: str = "pp") -> dict:
+    """``comm_bytes_from_trace`` keyed as the planner keys its bytes: each group under
+    ``layout.canonical_axis`` of its mesh name, the bytes of groups that share a name (two
+    views over the same ranks, as ``dp_shard_cp`` and ``dp_cp`` without cp or replication)
+    added together."""
+    out: dict = defaultdict(lambda: defaultdict(int))
+    for axis, kinds in comm_bytes_from_trace(trace_path, p2p_axis=p2p_axis).items():
+        for kind, n in kinds.items():
+            out[layout.canonical_axis(axis)][kind] += n
+    return {axis: dict(kinds) for axis, kinds in sorted(out.items())}

@@ -1,6 +1,7 @@
 """The plan's picture: memory per rank class as stacked bars against the GPU's memory, and the
 step split into compute, exposed communication and bubble. Reads a plan dict (plan.json's
-shape, docs/planning.md); torch-free, matplotlib's Agg backend (no display)."""
+shape, docs/planning.md); torch-free, matplotlib's Agg backend (no display). ``draw_sweep``:
+a sweep report's measured-vs-planned bars (``sweep_report.py``)."""
 
 from __future__ import annotations
 
@@ -118,3 +119,68 @@ def _title(plan: dict) -> str:
     if "fits" in plan:
         parts.append("fits" if plan["fits"] else "DOES NOT FIT")
     return ", ".join(parts)
+
+
+def draw_sweep(rep: dict, path) -> str:
+    """A sweep report's picture (``sweep_report.report``'s dict, docs/planning.md "Sweep
+    report"): measured and planned peak memory per layout (and rank class), and tokens/s."""
+    import matplotlib
+    matplotlib.use("Agg")  # no display needed
+    import matplotlib.pyplot as plt
+
+    n, jobs = sum(len(r["classes"]) or 1 for r in rep["jobs"]), len(rep["jobs"])
+    fig, (mem, tok) = plt.subplots(1, 2, figsize=(min(30.0, max(10.0, 2 + 1.4 * (n + jobs))),
+                                                  5.5), gridspec_kw={"width_ratios": [n, jobs]})
+    _draw_sweep_memory(mem, rep)
+    _draw_sweep_tokens(tok, rep)
+    fig.suptitle(f"sweep {rep['sweep_dir']}: measured vs planned", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _draw_sweep_memory(ax, rep: dict) -> None:
+    bars = [(_sweep_tick(r) + ("\n" + c["name"].replace(" (", "\n(") if len(r["classes"]) > 1
+                               else ""), c)
+            for r in rep["jobs"] for c in r["classes"] or [None]]
+    top = max([(c or {}).get(k) or 0 for _, c in bars
+               for k in ("measured_peak_bytes", "planned_peak_bytes")] + [1])
+    unit, name = (GiB, "GiB") if top >= GiB else (2**20, "MiB")
+    xs = range(len(bars))
+    for dx, key, label in ((-0.2, "measured_peak_bytes", "measured peak_tensor_bytes"),
+                           (0.2, "planned_peak_bytes", "planned peak")):
+        ax.bar([x + dx for x in xs], [((c or {}).get(key) or 0) / unit for _, c in bars],
+               0.4, label=label, edgecolor="black", linewidth=0.5)
+    for x, (_, c) in zip(xs, bars):
+        if c and c["error"] is not None:
+            ax.annotate(f"{100 * c['error']:+.1f}%", (x + 0.2, c["planned_peak_bytes"] / unit),
+                        ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(list(xs), [b[0] if b[1] else b[0] + "\n(no data)" for b in bars],
+                  fontsize=7)
+    ax.set_ylabel(f"{name} per rank at the peak (largest rank of the class)")
+    ax.set_title("peak memory (labels: planned / measured - 1)", fontsize=9)
+    ax.legend(fontsize=7)
+
+
+def _draw_sweep_tokens(ax, rep: dict) -> None:
+    jobs = rep["jobs"]
+    series = [("measured_tokens_per_s", "measured")]
+    series += [("planned_tokens_per_s", "planned")] if rep["planned_time_shown"] else []
+    width = 0.8 / len(series)
+    for i, (key, label) in enumerate(series):
+        ax.bar([x - 0.4 + width * (i + 0.5) for x in range(len(jobs))],
+               [j[key] or 0 for j in jobs], width, label=label, edgecolor="black",
+               linewidth=0.5)
+    ax.set_xticks(range(len(jobs)), [_sweep_tick(j) + ("" if j["measured_tokens_per_s"] else
+                                                 "\n(no data)") for j in jobs], fontsize=7)
+    ax.set_ylabel("tokens/s (whole job)")
+    ax.set_title("throughput" + ("" if rep["planned_time_shown"] else
+                                 " (measured only: the cost model is for GPUs)"), fontsize=9)
+    ax.legend(fontsize=7)
+
+
+def _sweep_tick(row: dict) -> str:
+    """A job's bar label: its number, then each swept override on a line (shortened)."""
+    parts = [o if len(o) <= 30 else o[:29] + "…" for o in row["layout"].split()]
+    return "\n".join([f"#{row['job']}", *parts])

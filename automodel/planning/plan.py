@@ -10,7 +10,6 @@ them (the first: where FSDP's shards are uneven it holds the larger one).
 from __future__ import annotations
 
 import concurrent.futures
-import multiprocessing
 import os
 from dataclasses import dataclass
 
@@ -38,11 +37,19 @@ def rank_classes(cfg: TrainConfig) -> list[RankClass]:
 def simulate_classes(cfg: TrainConfig, classes: list[RankClass],
                      workers: int | None = None) -> list[dict]:
     """Each class's rank simulated in a fresh process (a process group each), in parallel."""
-    workers = min(len(classes), workers or os.cpu_count() or 1)
-    context = multiprocessing.get_context("spawn")
+    return simulate_configs([cfg] * len(classes), [c.rank for c in classes], workers)
+
+
+def simulate_configs(configs: list, ranks: list[int], workers: int | None = None) -> list[dict]:
+    """``simulate_rank(configs[i], ranks[i])`` for every i, each in a fresh process (a second
+    simulation in one process counts fewer FLOPs: torch keeps state across them)."""
+    workers = min(len(configs), workers or os.cpu_count() or 1)
+    from automodel.launch import forkserver
+
+    context = forkserver.context()  # (forked from a server that imported torch once)
     with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context,
                                                 max_tasks_per_child=1) as pool:
-        return list(pool.map(_simulate, [cfg] * len(classes), [c.rank for c in classes]))
+        return list(pool.map(_simulate, configs, ranks))
 
 
 def _simulate(cfg: TrainConfig, rank: int) -> dict:

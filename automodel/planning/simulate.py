@@ -29,6 +29,7 @@ from automodel.compat.planning import (
     memory_tracker,
     peak_snapshot,
     pipeline_warmup_without_peers,
+    sharding_propagation_marked,
     value_checks_pass_on_fake_tensors,
 )
 from automodel.config.resolve import TrainConfig
@@ -83,7 +84,7 @@ def simulate_rank(cfg: TrainConfig, rank: int) -> RankSimulation:
         info = DistInfo("fake", cpu, rank, cfg.layout.world_size, rank)
         setup = build_setup(cfg, info, mesh)
         batches = planning_batches(cfg, setup)  # host tensors, made before the fake mode
-        with fake_tensor_mode(), pipeline_warmup_without_peers(), \
+        with fake_tensor_mode(), pipeline_warmup_without_peers(), sharding_propagation_marked(), \
                 value_checks_pass_on_fake_tensors():
             with RealStaysReal():  # (the mesh's index arithmetic, while parallelizing)
                 job = _build(cfg, setup)
