@@ -108,7 +108,7 @@ def estimate(c: Candidate, costs, model: dict, job: dict, profile: GpuProfile,
     """The candidate's predicted peak per pipeline rank, step time and fit, from its probe
     ``costs`` (``LayerCosts`` at its tp and checkpointing mode). ``model``: layers, hidden,
     embed_share / head_share (of the probe's rest state); ``job``: global_batch, seq_len,
-    activation_bytes (of an element passed between stages)."""
+    activation_bytes (of an element passed between stages), plain_loss."""
     dp = c.dp_replicate * c.dp_shard
     micro = job["global_batch"] // dp // c.mbs
     if c.pp > 1:
@@ -135,16 +135,24 @@ def _rank(c: Candidate, costs, model: dict, job: dict, stages, layers, held, n_s
     """One pipeline rank: its layers, what it holds at the peak, its work and its traffic."""
     scale = 2 / c.dp_shard  # probes shard their state over 2 ranks (probes.PROBE_DP)
     n = sum(layers[s] for s in stages)
+    head = n_stages - 1 in stages  # (with the loss, whose logits grow with the micro-batch)
     ends = (0 in stages) * model["embed_share"] + (n_stages - 1 in stages) * model["head_share"]
     state = (costs.layer_state * n + costs.rest_state * (ends if c.pp > 1 else 1)) * scale
     activations = costs.layer_activation * c.mbs * sum(layers[s] * held[s] for s in stages)
-    flops = (costs.layer_flops * n + costs.rest_flops * (n_stages - 1 in stages)) \
-        * c.mbs * micro
-    comm = _rank_comm(c, costs, n, micro, n_stages - 1 in stages)
+    flops = (costs.layer_flops * n + costs.rest_flops * head) * c.mbs * micro
+    comm = _rank_comm(c, costs, n, micro, head)
     if c.pp > 1:
         p2p = c.mbs * job["seq_len"] * model["hidden"] * job["activation_bytes"] * micro
         comm["pp"] = {"send": p2p * len(stages), "recv": p2p * len(stages)}
-    peak = state + activations + costs.rest_peak * c.mbs + costs.rest_fixed
+    # the rest of the peak (the loss, the head's gradient...) is the probe's, on the rank with
+    # the head; only the plain loss's logits grow with the micro-batch (the fused loss works
+    # through chunks of a fixed size)
+    rest = costs.rest_peak * (c.mbs if job.get("plain_loss") else 1) * (c.pp == 1 or head)
+    peak = state + activations + costs.rest_fixed + rest
+    if micro > 1:  # FSDP2 keeps unsharded gradients between micro-batches (it reduces once)
+        rs = [costs.layer_comm, costs.rest_comm]
+        layer_rs, rest_rs = (x.get("dp_shard", {}).get("reduce_scatter", 0) for x in rs)
+        peak += layer_rs * n + rest_rs * (ends if c.pp > 1 else 1)
     return {"stages": list(stages), "layers": n, "peak_bytes": int(peak),
             "flops": flops, "comm": comm}
 
@@ -197,6 +205,11 @@ def _resolve(overrides: list[str]):
     return load_config(overrides, env={"CUDA_VISIBLE_DEVICES": ""})
 
 
+def _rank_key(e: dict) -> tuple:
+    """Faster first; among equally fast (to 4 digits), the smaller peak."""
+    return float(f"{e['step_time_s']:.4g}"), e["peak_bytes"]
+
+
 def run_search(train, gpu: GpuProfile, plan_cfg, out: str) -> list[dict]:
     from automodel.config.build import ConfigError
     from automodel.planning.probes import run_probes
@@ -206,7 +219,8 @@ def run_search(train, gpu: GpuProfile, plan_cfg, out: str) -> list[dict]:
     model = model_facts(train)
     t = train.trainer
     job = {"global_batch": t.global_batch_size, "seq_len": t.seq_len,
-           "activation_bytes": 2 if train.mp_policy is not None else 4}
+           "activation_bytes": 2 if train.mp_policy is not None else 4,
+           "plain_loss": getattr(t.loss, "value", t.loss) == "plain"}
     found = candidates(plan_cfg.gpus, gpu.gpus_per_node, model["heads"], model["kv_heads"],
                        model["layers"], t.global_batch_size)
     if not found:
@@ -216,13 +230,14 @@ def run_search(train, gpu: GpuProfile, plan_cfg, out: str) -> list[dict]:
     costs = run_probes(train, sorted({(c.tp, c.ac) for c in found}), _resolve,
                        plan_cfg.workers)
     ranked = sorted((estimate(c, costs[(c.tp, c.ac)], model, job, gpu, plan_cfg.calibration)
-                     for c in found), key=lambda e: e["step_time_s"])
+                     for c in found), key=_rank_key)
     fitting = [e for e in ranked if e["fits"]]
     base = _base_overrides(train)
     for e in fitting[:plan_cfg.top]:
         e["command"] = " ".join(["python train.py", *base, *e["overrides"]])
     result = {"gpus": plan_cfg.gpus, "gpu": gpu.as_dict(), "searched": len(found),
-              "fitting": len(fitting), "top": fitting[:plan_cfg.top]}
+              "fitting": len(fitting), "top": fitting[:plan_cfg.top],
+              "probes": {f"tp{tp}_{ac}": dataclasses.asdict(c) for (tp, ac), c in costs.items()}}
     if fitting:
         result["best_planned"] = _confirm(base, fitting[0], gpu, plan_cfg)
     os.makedirs(out, exist_ok=True)
