@@ -119,7 +119,7 @@ def collect() -> list:
         for start, lines in code_blocks(path.read_text()):
             sbatch = sbatch_options(lines)
             for n, text in logical_lines(start, lines):
-                if "train.py" not in text and "launchers.slurm" not in text:
+                if not any(k in text for k in ("train.py", "launchers.slurm", "plan.py")):
                     continue
                 text = text[2:] if text.startswith("$ ") else text  # a prompt
                 for part in text.split("&&"):
@@ -135,9 +135,12 @@ def parse(text: str, where: str, doc: str, sbatch: dict):
         tokens.pop(0)
     if not tokens or not (tokens[0].endswith("python") or tokens[0] in ("torchrun", "srun")):
         return None  # (e.g. the code map's "train.py   Hydra entry point")
-    if not any(t.endswith("train.py") or t == "launchers.slurm" for t in tokens):
+    if not any(t.endswith(("train.py", "plan.py")) or t == "launchers.slurm" for t in tokens):
         return None
     head, cmd = tokens[0], DocCommand(where, doc, text.strip(), "local")
+    if len(tokens) > 1 and tokens[1] == "plan.py":  # planned, not run: plan.py's own path
+        cmd.launcher, cmd.args = "plan", tokens[2:]
+        return cmd
     if head == "srun":
         i = next(i for i, t in enumerate(tokens) if t.endswith("train.py"))
         cmd.launcher, cmd.args = "srun", tokens[i + 1:]
@@ -297,6 +300,10 @@ def check(cmd: DocCommand, root: Path, tmp_path: Path, monkeypatch) -> list:
     env, rank_gpus, machine_gpus = environment(cmd)
     monkeypatch.setattr("automodel.config.launch_env.gpu_device_probe", lambda: machine_gpus or 0)
     resolved = []
+    if cmd.launcher == "plan":  # resolved as plan.py resolves it (no simulation)
+        from automodel.planning.load import load_plan
+
+        return [load_plan(substitute(cmd, root), str(tmp_path))[0]]
     for overrides in jobs(substitute(cmd, root)):
         check_cli_overrides(overrides)
         cfg = load_config(overrides, output_dir=str(tmp_path), env=env)
@@ -314,7 +321,8 @@ def test_the_docs_have_commands():
     assert [c.launcher for c in recipes] == ["srun", "submitter", "srun", "srun"]
     assert all(c.world == 16 and c.gpus_per_node == 8 for c in recipes)
     kinds = {c.launcher for c in COMMANDS}
-    assert {"local", "torchrun", "srun", "submitter"} <= kinds
+    assert {"local", "torchrun", "srun", "submitter", "plan"} <= kinds
+    assert {c.doc for c in COMMANDS if c.launcher == "plan"} >= {"README.md", "docs/planning.md"}
     sweep = next(c for c in COMMANDS if "parallelism=ddp,fsdp2 optim.lr" in c.text)
     assert len(jobs(sweep.args)) == 4
 
