@@ -5,9 +5,17 @@ which argument of each collective op holds its process group."""
 from __future__ import annotations
 
 import contextlib
-import threading
 
+from automodel.compat import planning_memory
 from automodel.compat.core import Internal
+from automodel.compat.planning_memory import (  # noqa: F401 (the planner's names, here)
+    host_memory_device,
+    in_sharding_propagation,
+    memory_tracker,
+    offloaded_parameters,
+    peak_snapshots,
+    sharding_propagation_marked,
+)
 
 _TOOLS = "torch.distributed._tools"
 _FEATURE = "plan.py (planning a layout without the hardware)"
@@ -46,94 +54,6 @@ def fake_store():
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     return FakeStore()
-
-
-def memory_tracker(roots: list, optimizers: list):
-    """torch's tracker of live tensor memory by kind (parameters, gradients, optimizer
-    states, activations, temporaries), which knows ``roots``' parameters and the optimizers'
-    states, and accepts a module run several times per step (gradient accumulation, pipeline
-    micro-batches; torch's own refuses: its per-module statistics, which the planner does not
-    use, would mix the runs)."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    class StepMemTracker(MemTracker):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if in_sharding_propagation():  # (no tensor of the rank: see below)
-                return func(*args, **(kwargs or {}))
-            return super().__torch_dispatch__(func, types, args, kwargs)
-
-        def _pre_fw_hook(self, module, inputs):
-            if module in self.memory_tracking and not self._mod_tracker.is_bw:
-                del self.memory_tracking[module]  # (a new run of it: fresh module stats)
-            return super()._pre_fw_hook(module, inputs)
-
-        def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
-            # torch's registers a gradient hook on every parameter, which a frozen one
-            # (``model.freeze``) refuses: a frozen parameter gets no gradient, so it is
-            # entered as hooked already (with handles that remove nothing)
-            for p in module.parameters():
-                if not p.requires_grad and p not in self._param_to_grad_hook_handles:
-                    self._param_to_grad_hook_handles[p] = (_NoHook(), _NoHook())
-            return super()._track_module_params_and_buffers(module, install_grad_hooks)
-
-        def _update_peak_stats(self, peak_state):
-            # the whole rank's peak only: torch's also walks every module's statistics on
-            # every operator (most of a large model's planning time), which are not used
-            for dev, snap in self._curr_mem_snap.items():
-                if self._peak_mem.get(dev, 0) < snap["Total"]:
-                    self._peak_mem[dev] = snap["Total"]
-                    self._peak_mem_snap[dev] = dict(snap)
-
-    tracker = StepMemTracker()
-    tracker.track_external(*roots, *optimizers)
-    return tracker
-
-
-class _NoHook:
-    def remove(self) -> None:
-        pass
-
-
-_PROPAGATION = threading.local()
-
-
-def in_sharding_propagation() -> bool:
-    """Whether DTensor is now working out an operator's output shape: it runs the operator on
-    fake tensors of the global shapes, in the active fake mode (the planner's), so the
-    planner's counters must not take those for the rank's own tensors, FLOPs or traffic (in a
-    real run they live in a fake mode of DTensor's own and cost nothing)."""
-    return getattr(_PROPAGATION, "depth", 0) > 0
-
-
-@contextlib.contextmanager
-def sharding_propagation_marked():
-    """Inside, ``in_sharding_propagation()`` tells DTensor's shape propagation apart."""
-    from torch.distributed.tensor._sharding_prop import ShardingPropagator
-
-    original = ShardingPropagator._propagate_tensor_meta_non_cached
-
-    def marked(self, *args, **kwargs):
-        _PROPAGATION.depth = getattr(_PROPAGATION, "depth", 0) + 1
-        try:
-            return original(self, *args, **kwargs)
-        finally:
-            _PROPAGATION.depth -= 1
-
-    ShardingPropagator._propagate_tensor_meta_non_cached = marked
-    try:
-        yield
-    finally:
-        ShardingPropagator._propagate_tensor_meta_non_cached = original
-
-
-def peak_snapshot(tracker) -> dict:
-    """{category name: bytes} at the tracker's peak, summed over devices ("Total": all)."""
-    out: dict = {}
-    for per_kind in tracker.get_tracker_snapshot("peak").values():
-        for kind, n in per_kind.items():
-            name = kind if isinstance(kind, str) else kind.value
-            out[name] = out.get(name, 0) + n
-    return out
 
 
 def collective_ops() -> set:
@@ -188,6 +108,39 @@ def pipeline_warmup_without_peers():
         yield
     finally:
         schedules._PipelineSchedule._warmup_p2p = original
+
+
+_SPLIT_BACKWARD = "plan.py with pipeline=zero_bubble or v_schedule (a split backward)"
+INTERNALS += [
+    Internal(f"{_TOOLS}.mod_tracker", "register_multi_grad_hook", _SPLIT_BACKWARD,
+             params=("tensors", "fn")),
+]
+
+
+@contextlib.contextmanager
+def split_backward_tracked():
+    """The memory tracker's module tracker hooks each module's inputs to learn when its
+    backward ends (``register_multi_grad_hook`` in mode ``all``, which asks the engine which of
+    them it will reach). A pipeline stage's input is a leaf, and under a split backward
+    (zero-bubble schedules: ``autograd.grad`` for the input gradient) the engine refuses that
+    question for a leaf. Where an input is a leaf, the hook is registered in mode ``any``: it
+    runs at the first of the inputs' gradients instead of the last, which moves only the
+    per-module statistics the planner does not read (live bytes and their kinds follow the
+    engine, not the module stack)."""
+    from torch.distributed._tools import mod_tracker
+
+    original = mod_tracker.register_multi_grad_hook
+
+    def register(tensors, fn, *, mode="all"):
+        if mode == "all" and any(t.grad_fn is None for t in tensors):
+            mode = "any"
+        return original(tensors, fn, mode=mode)
+
+    mod_tracker.register_multi_grad_hook = register
+    try:
+        yield
+    finally:
+        mod_tracker.register_multi_grad_hook = original
 
 
 _DDP_FEATURE = "plan.py with parallelism=ddp (DDP's gradient buckets, re-enacted)"
@@ -285,3 +238,6 @@ def op_name(func) -> str:
 
 def op_packet(func):
     return func._overloadpacket
+
+
+INTERNALS += planning_memory.INTERNALS

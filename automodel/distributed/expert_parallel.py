@@ -179,17 +179,30 @@ def _dispatch_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tens
     k = top_k_index.shape[1]
     flat = top_k_index.reshape(-1)
     order = torch.argsort(flat, stable=True)  # (token, slot) pairs by expert
-    source_row = order // k
     per_expert = torch.bincount(flat, minlength=ep.num_experts)
     send = per_expert.view(ep.ep_size, ep.num_local)
     recv = torch.empty_like(send)  # [source rank, local expert]
     dist.all_to_all_single(recv, send, group=ep.group)
     in_splits, out_splits = torch.stack([send.sum(1), recv.sum(1)]).tolist()  # host read
-    received = _AllToAllV.apply(hidden_states[source_row], out_splits, in_splits, ep.group)
     local_ids = torch.arange(ep.num_local, device=flat.device).repeat(ep.ep_size)
     local_ids = local_ids.repeat_interleave(recv.reshape(-1))
+    return exchange_and_combine(self, hidden_states, top_k_weights, order, k,
+                                (in_splits, out_splits), local_ids)
+
+
+def exchange_and_combine(module: nn.Module, hidden_states: torch.Tensor,
+                         top_k_weights: torch.Tensor, order: torch.Tensor, k: int,
+                         splits: tuple, local_ids: torch.Tensor) -> torch.Tensor:
+    """Send each (token, slot) pair, in expert ``order``, to the rank of its expert
+    (``splits``: rows this rank sends to and receives from each rank), run this rank's
+    experts on what it received (``local_ids``: the local expert of each received row), send
+    the results back and add them up per token, weighted."""
+    ep: ExpertPlacement = module._ep
+    in_splits, out_splits = splits
+    source_row = order // k
+    received = _AllToAllV.apply(hidden_states[source_row], out_splits, in_splits, ep.group)
     ones = torch.ones(received.shape[0], 1, dtype=received.dtype, device=received.device)
-    computed = _expert_compute(self)(_local_view(self), received, local_ids[:, None], ones)
+    computed = _expert_compute(module)(_local_view(module), received, local_ids[:, None], ones)
     back = _AllToAllV.apply(computed, in_splits, out_splits, ep.group)
     weights = top_k_weights.reshape(-1)[order].to(back.dtype)
     out = torch.zeros_like(hidden_states)

@@ -17,11 +17,16 @@ log = logging.getLogger("automodel.plan")
 def run_plan(cfg):
     from hydra.core.hydra_config import HydraConfig
 
+    from automodel.planning.plan import SimulationError
+
     try:
         return _run(cfg, HydraConfig.get())
     except ConfigError as err:
         print(f"automodel: configuration error:\n{err}", file=sys.stderr, flush=True)
         sys.exit(2)
+    except SimulationError as err:
+        print(f"automodel: plan failed: {err}", file=sys.stderr, flush=True)
+        sys.exit(1)
 
 
 def split_plan_node(cfg):
@@ -41,7 +46,8 @@ def planning_env(plan: PlanConfig, mesh_dp_size) -> dict:
     the mesh's ranks; never this machine's GPUs."""
     if plan.gpus is not None:
         if plan.gpus < 1:
-            raise ConfigError(f"plan.gpus={plan.gpus} must be >= 1")
+            raise ConfigError(f"plan.gpus={plan.gpus}: the job's GPUs must be >= 1; set "
+                              "plan.gpus=<GPUs>, or null to plan the mesh's ranks")
         return {"TORCHELASTIC_RUN_ID": "plan", "WORLD_SIZE": str(plan.gpus),
                 "LOCAL_WORLD_SIZE": str(plan.gpus), "RANK": "0", "CUDA_VISIBLE_DEVICES": ""}
     if mesh_dp_size is None:
@@ -58,8 +64,18 @@ def resolve_for_plan(cfg, hc, plan: PlanConfig, output_dir: str):
 
     overrides = [o for o in hc.overrides.task if not o.lstrip("+~").startswith("plan.")]
     env = planning_env(plan, cfg.mesh.dp_size)
+    explicit = plan.gpus is not None and cfg.mesh.dp_size is not None
+    if explicit:  # (the mesh's own ranks, then held against plan.gpus)
+        env = planning_env(PlanConfig(gpus=None), cfg.mesh.dp_size)
     train = resolve(cfg, env=env, output_dir=output_dir, choices=dict(hc.runtime.choices),
                     overrides=overrides)
+    if explicit and train.layout.world_size != plan.gpus:
+        lay = train.layout
+        raise ConfigError(
+            f"plan.gpus={plan.gpus} but the mesh has {lay.world_size} ranks (one per GPU): "
+            f"mesh.dp_size={cfg.mesh.dp_size} x tp_size={lay.tp} x cp_size={lay.cp} x "
+            f"pp_size={lay.pp}; set plan.gpus={lay.world_size}, or mesh.dp_size=null (then "
+            "inferred from plan.gpus)")
     check_model_layout(train)
     return train
 
@@ -67,13 +83,16 @@ def resolve_for_plan(cfg, hc, plan: PlanConfig, output_dir: str):
 def _run(cfg, hc):
     from automodel.compat import check_planning_compat
     from automodel.planning.gpus import profile
+    from automodel.planning.supported import check_plannable
 
     train_cfg, plan_cfg = split_plan_node(cfg)
     gpu = profile(plan_cfg.gpu, **plan_cfg.gpu_spec)
+    start_simulation_server(train_cfg)
     out = hc.runtime.output_dir
     train = resolve_for_plan(train_cfg, hc, plan_cfg, out)
     check_planning_compat()
     if plan_cfg.search:
+        check_plannable(train)  # (make_plan checks its own job)
         from automodel.planning.search import run_search
 
         return run_search(train, gpu, plan_cfg, out)
@@ -83,6 +102,23 @@ def _run(cfg, hc):
     write_plan(result, out, plan_cfg.picture)
     print(summary(result))
     return result
+
+
+# What a simulation worker imports beyond the fork server's own list (automodel/launch)
+SIMULATION_PRELOAD = ("automodel.planning.plan", "automodel.planning.simulate",
+                      "automodel.recipes.pipeline_step", "torch.distributed.pipelining")
+
+
+def start_simulation_server(cfg) -> None:
+    """Start the fork server that the simulation workers are forked from now, with what they
+    import (torch, transformers, the planner, the model's modeling file) preloaded: its
+    imports then run beside the config checks instead of before the first simulation, and no
+    worker imports anything again."""
+    from automodel.launch import forkserver
+
+    model_type = str((cfg.model.get("config") or {}).get("model_type") or "").replace("-", "_")
+    modeling = (f"transformers.models.{model_type}.modeling_{model_type}",) if model_type else ()
+    forkserver.context(SIMULATION_PRELOAD + modeling)
 
 
 def write_plan(plan: dict, out: str, picture: bool = True) -> str:
@@ -106,8 +142,10 @@ def summary(plan: dict) -> str:
              + " x ".join(f"{k} {lay[k]}" for k in ("pp", "dp_replicate", "dp_shard", "cp",
                                                      "tp", "ep") if lay[k] > 1)]
     for r in plan["ranks"]:
+        host = (f" (+ {r['host_bytes'] / gib:.2f} GiB offloaded to the host)"
+                if r.get("host_bytes") else "")
         lines.append(f"  {r['name']} (x{r['count']}): peak {r['peak_bytes'] / gib:.2f} GiB "
-                     f"+ {r['overhead_bytes'] / gib:.2f} GiB overhead, "
+                     f"+ {r['overhead_bytes'] / gib:.2f} GiB overhead{host}, "
                      f"{'fits' if r['fits'] else 'DOES NOT FIT'}; "
                      f"{r['flops'] / 1e12:.1f} TFLOP/step")
     t = plan["time"]
@@ -115,6 +153,7 @@ def summary(plan: dict) -> str:
                  f"comm {t['exposed_comm_s']:.3f}, bubble {t['bubble_s']:.3f}); "
                  f"{plan['tokens_per_s']:.0f} tokens/s")
     lines += [f"  warning: {w}" for w in plan["warnings"]]
+    lines += [f"  note: {n}" for n in plan.get("notes", [])]
     lines.append(f"  run it: {plan['command']}")
     return "\n".join(lines)
 

@@ -1,9 +1,11 @@
 """What the planner's fake mode needs beyond torch's ``FakeTensorMode``.
 
-- ``RealStaysReal``: an op whose tensor inputs are all real host tensors runs for real. The
-  mesh's own index arithmetic (``DeviceMesh`` finds a rank's coordinates with ``nonzero`` on
-  its rank tensor, e.g. when FSDP2 joins a TP mesh) and the batch's token counting then work
-  as in a real run; everything that touches a parameter or an activation stays fake. Factory
+- ``RealStaysReal``: an op whose tensor inputs are all real host tensors, or all meta
+  tensors, runs for real. The mesh's own index arithmetic (``DeviceMesh`` finds a rank's
+  coordinates with ``nonzero`` on its rank tensor, e.g. when FSDP2 joins a TP mesh) and the
+  batch's token counting then work as in a real run, and ``parallelize`` splits and shards
+  the meta model's parameters on the meta device, as a real run does before it materializes
+  them; everything that touches a materialized parameter or an activation stays fake. Factory
   ops (no tensor input) stay fake, so nothing large is ever allocated.
 - ``allocate_fake``: ``parallelize``'s materialization: every parameter and buffer of the parts
   gets fake storage of its shape, dtype and placement; tied weights stay tied.
@@ -26,19 +28,29 @@ from automodel.compat import (
 from automodel.compat.planning import is_fake, real_tensors
 
 
-def _is_real(t: torch.Tensor) -> bool:
-    return type(t) in (torch.Tensor, nn.Parameter) and not is_fake(t) and t.device.type == "cpu"
+def _device_if_real(t: torch.Tensor) -> str | None:
+    """"cpu" or "meta" for a plain (not fake) host or meta tensor; None otherwise."""
+    if type(t) in (torch.Tensor, nn.Parameter) and not is_fake(t):
+        return t.device.type if t.device.type in ("cpu", "meta") else None
+    return None
 
 
 class RealStaysReal(dispatch_mode_base()):
-    """Enter after ``FakeTensorMode``: ops on real tensors only run for real."""
+    """Enter after ``FakeTensorMode``: ops on real tensors only run for real (on host tensors
+    only, or on meta tensors only: the meta model's parameters, which ``parallelize`` splits
+    and shards before they are materialized, as in a real run; torch's meta kernels give the
+    same shapes as the fake mode would, without the fake mode's cost per output, which
+    FSDP2 pays for every shard of every parameter: a dp_shard of 256 made that most of
+    the simulation)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         tensors = [a for a in tensor_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
-        if tensors and all(map(_is_real, tensors)):
-            with real_tensors():
-                return func(*args, **kwargs)
+        if tensors:
+            devices = {_device_if_real(t) for t in tensors}
+            if len(devices) == 1 and None not in devices:
+                with real_tensors():
+                    return func(*args, **kwargs)
         return func(*args, **kwargs)
 
 

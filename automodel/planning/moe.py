@@ -27,12 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from automodel.distributed.expert_parallel import (
-    ExpertPlacement,
-    _AllToAllV,
-    _expert_compute,
-    _local_view,
-)
+from automodel.distributed.expert_parallel import ExpertPlacement, exchange_and_combine
 
 
 def balanced_counts(pairs: int, num_experts: int) -> list[int]:
@@ -62,7 +57,6 @@ def balanced_dispatch_forward(self: nn.Module, hidden_states: torch.Tensor,
     tokens, k = top_k_index.shape
     flat = top_k_index.reshape(-1)
     order = torch.argsort(flat, stable=True)  # (token, slot) pairs by expert
-    source_row = order // k
     counts = balanced_counts(tokens * k, ep.num_experts)
     send = flat.new_empty((ep.ep_size, ep.num_local))  # (the count exchange: bincount's int64)
     recv = torch.empty_like(send)
@@ -71,11 +65,6 @@ def balanced_dispatch_forward(self: nn.Module, hidden_states: torch.Tensor,
     in_splits = [sum(counts[r * local:(r + 1) * local]) for r in range(ep.ep_size)]
     mine = dist.get_rank(ep.group)
     out_splits = [in_splits[mine]] * ep.ep_size  # every rank routes its tokens alike
-    received = _AllToAllV.apply(hidden_states[source_row], out_splits, in_splits, ep.group)
-    local_ids = flat.new_empty(received.shape[0])  # (each row's local expert)
-    ones = torch.ones(received.shape[0], 1, dtype=received.dtype, device=received.device)
-    computed = _expert_compute(self)(_local_view(self), received, local_ids[:, None], ones)
-    back = _AllToAllV.apply(computed, in_splits, out_splits, ep.group)
-    weights = top_k_weights.reshape(-1)[order].to(back.dtype)
-    out = torch.zeros_like(hidden_states)
-    return out.index_add(0, source_row, (back * weights[:, None]).to(out.dtype))
+    local_ids = flat.new_empty(sum(out_splits))  # (each received row's local expert)
+    return exchange_and_combine(self, hidden_states, top_k_weights, order, k,
+                                (in_splits, out_splits), local_ids)

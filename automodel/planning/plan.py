@@ -13,9 +13,11 @@ import concurrent.futures
 import os
 from dataclasses import dataclass
 
+from automodel.config.build import ConfigError
 from automodel.config.resolve import TrainConfig
 from automodel.planning import cost
 from automodel.planning.gpus import GpuProfile
+from automodel.planning.notes import plan_notes
 from automodel.planning.warnings import plan_warnings
 
 
@@ -34,31 +36,74 @@ def rank_classes(cfg: TrainConfig) -> list[RankClass]:
             for i in range(layout.pp)]
 
 
+TRACEBACK_LINES = 40  # of a failed simulation's, in its error
+
+
+class SimulationError(RuntimeError):
+    """A rank class's simulation failed: the message names the class, the layout and the
+    worker's own exception (its traceback, as text)."""
+
+
 def simulate_classes(cfg: TrainConfig, classes: list[RankClass],
                      workers: int | None = None) -> list[dict]:
     """Each class's rank simulated in a fresh process (a process group each), in parallel."""
-    return simulate_configs([cfg] * len(classes), [c.rank for c in classes], workers)
+    return simulate_configs([cfg] * len(classes), [c.rank for c in classes], workers,
+                            [c.name for c in classes])
 
 
-def simulate_configs(configs: list, ranks: list[int], workers: int | None = None) -> list[dict]:
+def simulate_configs(configs: list, ranks: list[int], workers: int | None = None,
+                     names: list[str] | None = None) -> list[dict]:
     """``simulate_rank(configs[i], ranks[i])`` for every i, each in a fresh process (a second
-    simulation in one process counts fewer FLOPs: torch keeps state across them)."""
+    simulation in one process counts fewer FLOPs: torch keeps state across them). A failure
+    raises ``SimulationError`` naming the task (``names[i]``, else its rank) and its layout,
+    with the worker's exception (a ``ConfigError`` stays one)."""
     workers = min(len(configs), workers or os.cpu_count() or 1)
     from automodel.launch import forkserver
 
     context = forkserver.context()  # (forked from a server that imported torch once)
     with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context,
                                                 max_tasks_per_child=1) as pool:
-        return list(pool.map(_simulate, configs, ranks))
+        futures = [pool.submit(_simulate, c, r) for c, r in zip(configs, ranks)]
+        out = []
+        for i, future in enumerate(futures):
+            try:
+                out.append(future.result())
+            except ConfigError:
+                raise
+            except Exception as err:  # (the worker's, or a worker that died)
+                for f in futures:
+                    f.cancel()
+                name = names[i] if names else f"rank {ranks[i]}"
+                raise SimulationError(
+                    f"the simulation of {name} (rank {ranks[i]}) failed, layout "
+                    f"{layout_text(configs[i])}:\n{err}") from None
+        return out
 
 
 def _simulate(cfg: TrainConfig, rank: int) -> dict:
+    import traceback
     import warnings
 
     from automodel.planning.simulate import as_dict, simulate_rank
 
     warnings.filterwarnings("ignore")  # (FSDP2's view-output caution, on every forward)
-    return as_dict(simulate_rank(cfg, rank))
+    try:
+        return as_dict(simulate_rank(cfg, rank))
+    except ConfigError:
+        raise
+    except Exception as err:  # (sent back as text: not every exception pickles)
+        lines = "".join(traceback.format_exception(err)).rstrip().splitlines()
+        cut = [f"... ({len(lines) - TRACEBACK_LINES} lines before)"] \
+            if len(lines) > TRACEBACK_LINES else []
+        raise RuntimeError("\n".join(cut + lines[-TRACEBACK_LINES:])) from None
+
+
+def layout_text(cfg: TrainConfig) -> str:
+    """The layout in a few words: ``parallelism=fsdp2 pipeline=1f1b pp 2 x dp_shard 4``."""
+    lay = layout_dict(cfg)
+    sizes = " x ".join(f"{k} {lay[k]}" for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp",
+                                                  "ep") if lay[k] > 1) or "1 rank"
+    return f"parallelism={lay['strategy']} pipeline={lay['pipeline']} {sizes}"
 
 
 def make_plan(cfg: TrainConfig, profile: GpuProfile, calibration: dict | None = None,
@@ -66,6 +111,10 @@ def make_plan(cfg: TrainConfig, profile: GpuProfile, calibration: dict | None = 
     """The plan of ``cfg`` on ``profile`` GPUs. ``simulations``: the classes' simulations
     when already made (the search re-costs them)."""
     classes = rank_classes(cfg)
+    if simulations is None:
+        from automodel.planning.supported import check_plannable
+
+        check_plannable(cfg)  # (before any simulation starts)
     sims = simulations if simulations is not None else simulate_classes(cfg, classes, workers)
     pipeline = pipeline_summary(cfg)
     bubble = pipeline["bubble"] if pipeline else 0.0
@@ -92,6 +141,7 @@ def make_plan(cfg: TrainConfig, profile: GpuProfile, calibration: dict | None = 
         "fits": all(r["fits"] for r in ranks),
     }
     plan["warnings"] = plan_warnings(plan, cfg, profile)
+    plan["notes"] = plan_notes(cfg, plan)
     return plan
 
 
@@ -104,6 +154,8 @@ def _rank_entry(c: RankClass, sim: dict, profile: GpuProfile, sizes: dict, bubbl
     peak = sim["peak_bytes"]
     return {"name": name, "count": c.count, "example_rank": c.rank, "stages": stages,
             "peak_bytes": peak, "memory": sim["memory"], "memory_detail": sim["detail"],
+            "host_bytes": sim.get("host_bytes", 0), "host_memory": sim.get("host_memory", {}),
+            "peak_bytes_device_and_host": sim.get("combined_peak_bytes") or peak,
             "recv_buffer_bytes": sim["recv_buffer_bytes"], "flops": sim["flops"],
             "comm_bytes_per_step": sim["comm"], "comm_calls_per_step": sim["comm_calls"],
             "time": time.as_dict(),

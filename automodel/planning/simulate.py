@@ -27,9 +27,12 @@ from automodel.compat.planning import (
     fake_store,
     fake_tensor_mode,
     memory_tracker,
-    peak_snapshot,
+    offloaded_parameters,
+    peak_snapshots,
     pipeline_warmup_without_peers,
+    real_tensors,
     sharding_propagation_marked,
+    split_backward_tracked,
     value_checks_pass_on_fake_tensors,
 )
 from automodel.config.resolve import TrainConfig
@@ -56,6 +59,11 @@ class RankSimulation:
     flops: int  # FLOPs of one step on this rank (forward, backward, recomputation)
     recv_buffer_bytes: int = 0  # the pipeline's pooled receive buffers
     comm_calls: dict = dataclasses.field(default_factory=dict)  # axis -> kind -> collectives
+    # CPU offload: the host memory's peak and its split (sharded parameters, their reduced
+    # gradients, the optimizer's states and step); peak_bytes is then the device's alone
+    host_bytes: int = 0
+    host_memory: dict = dataclasses.field(default_factory=dict)
+    combined_peak_bytes: int = 0  # the peak of device and host memory together
 
 
 @contextlib.contextmanager
@@ -78,14 +86,14 @@ def simulate_rank(cfg: TrainConfig, rank: int) -> RankSimulation:
     from automodel.recipes.train import build_setup
 
     cpu = torch.device("cpu")
-    cfg = static_stage_shapes(cfg)
+    cfg = eager(static_stage_shapes(cfg))
     with fake_world(cfg.layout.world_size, rank):
         mesh = build_mesh_for(cfg.layout, "cpu", "fake", cfg.distributed.timeout_minutes)
         info = DistInfo("fake", cpu, rank, cfg.layout.world_size, rank)
         setup = build_setup(cfg, info, mesh)
         batches = planning_batches(cfg, setup)  # host tensors, made before the fake mode
         with fake_tensor_mode(), pipeline_warmup_without_peers(), sharding_propagation_marked(), \
-                value_checks_pass_on_fake_tensors():
+                value_checks_pass_on_fake_tensors(), split_backward_tracked():
             with RealStaysReal():  # (the mesh's index arithmetic, while parallelizing)
                 job = _build(cfg, setup)
             return _measure(job, batches(1), rank, axis_groups(mesh))
@@ -99,6 +107,15 @@ def static_stage_shapes(cfg: TrainConfig) -> TrainConfig:
         return cfg
     return dataclasses.replace(cfg, pipeline=dataclasses.replace(
         cfg.pipeline, pp_seq_len=cfg.trainer.seq_len))
+
+
+def eager(cfg: TrainConfig) -> TrainConfig:
+    """``parallelism.enable_compile`` off: the planner simulates the eager step (fake tensors
+    do not go through the compiler's kernels; ``planning/notes.py`` says so in the plan)."""
+    if not getattr(cfg.parallelism, "enable_compile", False):
+        return cfg
+    return dataclasses.replace(cfg, parallelism=dataclasses.replace(cfg.parallelism,
+                                                                    enable_compile=False))
 
 
 @dataclass
@@ -118,7 +135,8 @@ def _build(cfg: TrainConfig, setup) -> _Job:
     from automodel.recipes.router_loss import RouterLoss
     from automodel.recipes.step import train_step
 
-    model = build_meta_model(cfg.model)
+    with real_tensors():  # plain meta parameters: parallelize splits them on meta kernels
+        model = build_meta_model(cfg.model)
     router_loss = RouterLoss.of(model)
     setup.strategy = planning_strategy(setup.strategy)  # (DDP: a stand-in; refusals)
     parallel = parallelize(model, setup, allocate_fake)
@@ -149,27 +167,46 @@ def _build(cfg: TrainConfig, setup) -> _Job:
 
 def _measure(job: _Job, micro, rank: int, axis_of: dict) -> RankSimulation:
     """The optimizer states made under the memory tracker (tracked from their creation on),
-    then one training step under it again (a new peak) and the counters."""
-    tracker = memory_tracker(list(job.parallel.parts), list(job.optimizer.optimizers))
+    then one training step under it again (a new peak) and the counters. Under CPU offload
+    the tracker counts what FSDP keeps on the host apart."""
+    parts = list(job.parallel.parts)
+    host_params = offloaded_parameters(parts)
+    tracker = memory_tracker(parts, list(job.optimizer.optimizers), host_params)
+    # FSDP hands each reduced gradient to its sharded parameter, on the host under offload
+    hooks = [p.register_post_accumulate_grad_hook(lambda p: tracker.move_to_host(p.grad))
+             for p in host_params]
     with tracker:
         _make_optimizer_states(job)
     tracker.reset_mod_stats()
     counter, flops = CommCounter(axis_of), FlopCounter()
     with tracker, flops, counter:
         job.step(micro)
-    detail = peak_snapshot(tracker)
-    total = detail.pop("Total")
+    for h in hooks:
+        h.remove()
+    peaks = peak_snapshots(tracker)
+    detail = peaks["device"]
+    total = detail.pop("Total", 0)
+    host_sharded = sum(_local_bytes(p) for p in host_params)
+    memory = memory_split(detail, sharded_parameter_bytes(parts) - host_sharded)
+    host = peaks["host"]
+    host_total = host.pop("Total", 0)
+    recv = job.pipeline.local_recv_buffer_bytes() if job.pipeline is not None else 0
+    return RankSimulation(rank, list(job.parallel.stage_ids), total, memory, detail,
+                          counter.result(), flops.total, recv, counter.call_counts(),
+                          host_total, memory_split(host, host_sharded) if host else {},
+                          peaks["all"].get("Total", 0))
+
+
+def memory_split(detail: dict, sharded: int) -> dict:
+    """The tracker's kinds at a peak as the plan's categories. Its parameters are those
+    registered at the peak: under FSDP2 the gathered ones too, told apart by ``sharded``, the
+    bytes of the shards kept in this memory between steps."""
     memory = dict.fromkeys(MEMORY_KEYS, 0)
     for kind, n in detail.items():
         memory[CATEGORIES[kind]] += n
-    # the tracker's parameters are those registered at its peak: under FSDP2 the gathered
-    # ones too, told apart here by the shards each rank keeps
-    sharded = sharded_parameter_bytes(job.parallel.parts)
     memory["parameters_unsharded"] = max(0, memory["parameters_sharded"] - sharded)
     memory["parameters_sharded"] -= memory["parameters_unsharded"]
-    recv = job.pipeline.local_recv_buffer_bytes() if job.pipeline is not None else 0
-    return RankSimulation(rank, list(job.parallel.stage_ids), total, memory, detail,
-                          counter.result(), flops.total, recv, counter.call_counts())
+    return memory
 
 
 def _make_optimizer_states(job: _Job) -> None:
@@ -184,16 +221,20 @@ def _make_optimizer_states(job: _Job) -> None:
 
 def sharded_parameter_bytes(parts: list) -> int:
     """Bytes of the parameters this rank keeps between steps (its shards)."""
-    from torch.distributed.tensor import DTensor
-
     seen, n = set(), 0
     for part in parts:
         for p in part.parameters():
             if id(p) not in seen:
                 seen.add(id(p))
-                t = p.to_local() if isinstance(p, DTensor) else p
-                n += t.numel() * t.element_size()
+                n += _local_bytes(p)
     return n
+
+
+def _local_bytes(p) -> int:
+    from torch.distributed.tensor import DTensor
+
+    t = p.to_local() if isinstance(p, DTensor) else p
+    return t.numel() * t.element_size()
 
 
 def as_dict(sim: RankSimulation) -> dict:

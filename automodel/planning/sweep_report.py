@@ -246,10 +246,13 @@ def job_row(job: dict, plan: dict | None, swept: set, timed: bool) -> dict:
     for r in plan["ranks"]:
         ranks = by_rank[r["example_rank"]:r["example_rank"] + r["count"]]
         measured = max(ranks) if ranks else None
+        # a CPU rank's memory is its device's and its host's (CPU offload) at once
+        planned = r["peak_bytes"] if job["device"] == "cuda" else \
+            r.get("peak_bytes_device_and_host", r["peak_bytes"])
         row["classes"].append({
             "name": r["name"], "ranks": [r["example_rank"], r["example_rank"] + r["count"] - 1],
-            "planned_peak_bytes": r["peak_bytes"], "measured_peak_bytes": measured,
-            "error": None if not measured else r["peak_bytes"] / measured - 1})
+            "planned_peak_bytes": planned, "measured_peak_bytes": measured,
+            "error": None if not measured else planned / measured - 1})
     return row
 
 

@@ -177,24 +177,9 @@ CONFIGS = {  # pp = 2 on 2 ranks; 8 sequences in micro-batches of 2: m = 4
 
 def _record_order(stages, log: list) -> None:
     """Log each compute call of these ``PipelineStage`` objects as (kind, stage, mb)."""
-    for stage in stages:
-        fwd, bwd, wgt = (stage.forward_one_chunk, stage.backward_one_chunk,
-                         stage.backward_weight_one_chunk)
+    from benchmarks.plan_accuracy import record_compute_calls
 
-        def forward(mb, *a, _s=stage.stage_index, _f=fwd, **k):
-            log.append(("F", _s, mb))
-            return _f(mb, *a, **k)
-
-        def backward(mb, *a, _s=stage.stage_index, _f=bwd, **k):
-            log.append(("B" if k.get("full_backward", True) else "I", _s, mb))
-            return _f(mb, *a, **k)
-
-        def weight(mb, *a, _s=stage.stage_index, _f=wgt, **k):
-            log.append(("W", _s, mb))
-            return _f(mb, *a, **k)
-
-        stage.forward_one_chunk, stage.backward_one_chunk = forward, backward
-        stage.backward_weight_one_chunk = weight
+    record_compute_calls(stages, log)
 
 
 def _run_schedules(rank, world, configs):

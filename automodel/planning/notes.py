@@ -1,0 +1,45 @@
+"""What a plan assumed that the run may do differently (``plan.json``'s ``notes``): where the
+simulation stands in for the job's own behaviour, and what the numbers leave out."""
+
+from __future__ import annotations
+
+from automodel.config.resolve import TrainConfig
+
+
+def plan_notes(cfg: TrainConfig, plan: dict) -> list[str]:
+    notes = [
+        "the step simulated is a steady one (the optimizer's states made first, as step 1 "
+        "makes them); a run's first step can peak higher (one-off allocations)",
+        "memory is live tensor bytes; the CUDA context, NCCL's buffers, library workspaces "
+        "and the allocator's fragmentation are the stated overhead_bytes (the GPU profile's "
+        "overhead_bytes + overhead_fraction x peak), not simulated",
+        "step_time_s is the cost model's (docs/planning.md): no per-collective latency, no "
+        "slowdown of compute by concurrent communication, no host-device copies",
+    ]
+    if getattr(cfg.parallelism, "enable_compile", False):
+        notes.append("parallelism.enable_compile=true: simulated in eager mode; compiled "
+                     "blocks fuse kernels, which can hold fewer activation and temporary "
+                     "bytes and run faster than compute_efficiency assumes")
+    if cfg.strategy.name == "ddp":
+        notes.append("parallelism=ddp: DDP's C++ reducer re-enacted (planning/ddp.py); the "
+                     "step simulated is DDP's first, with the buckets of the wrap; a run "
+                     "rebuilds them in gradient-ready order after it: the bytes per step are "
+                     "the same, the number of all-reduces (comm_calls_per_step) may differ")
+    if cfg.layout.ep > 1:
+        notes.append(f"mesh.ep_size={cfg.layout.ep}: routing simulated balanced (each expert "
+                     "receives tokens x top_k / num_experts); a real router sends its busiest "
+                     "expert more: more all-to-all bytes and memory on that expert's rank")
+    if cfg.offload_policy is not None and cfg.offload_policy.name == "CPUOffloadPolicy":
+        notes.append("parallelism.offload_policy (CPU offload): peak_bytes is device memory; "
+                     "host_bytes is the host's (sharded parameters, reduced gradients, the "
+                     "optimizer's states and step); the copies between them and the "
+                     "optimizer's step on the CPU are not in step_time_s")
+    if cfg.data_source != "synthetic":
+        notes.append(f"data={cfg.data_source} is not read: the plan trains on rows of "
+                     f"trainer.seq_len={cfg.trainer.seq_len} tokens of the configured batch "
+                     "shapes; shorter rows or other image counts change activation memory")
+    if any(r["count"] > 1 for r in plan["ranks"]):
+        notes.append("each rank class is simulated on its example_rank; its other ranks hold "
+                     "equal shares (where FSDP's shards are uneven, the example's is the "
+                     "larger)")
+    return notes
