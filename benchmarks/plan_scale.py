@@ -9,10 +9,10 @@ command as a user would (a fresh process, its own simulation workers) and report
   simulations, writing plan.json);
 * ``tree peak``: the peak of the resident memory of the whole process tree (``plan.py``, its
   simulation workers and their fork server), summed over the processes alive at each sample
-  (``/proc/<pid>/status`` VmRSS every 50 ms). Pages the workers share with the fork server
+  (``/proc/<pid>/status`` VmRSS every 0.2 s). Pages the workers share with the fork server
   count once per process, so this over-counts shared memory;
 * ``tree peak pss``: the same with each process's proportional share (``smaps_rollup`` Pss):
-  shared pages split between their sharers, the machine's real cost;
+  shared pages split between their sharers, the machine's real cost (every 1 s);
 * ``sum of peaks``: every process's own peak (VmHWM) added up, an upper bound that no sampling
   interval can miss (processes that never ran at the same time are added too);
 * ``largest``: the largest single process's own peak (VmHWM);
@@ -52,6 +52,13 @@ CASES = {
          "mesh.pp_size=4", "pipeline=interleaved", "trainer.seq_len=8192",
          "trainer.local_batch_size=1", "trainer.global_batch_size=128",
          "parallelism.activation_checkpointing=full", "plan.gpu=h100_80gb"]),
+    "llama70b_512_gbs64": (
+        "the same with global batch 64 (4 micro-batches for 8 virtual stages: a larger "
+        "bubble, half the simulated micro-batches)",
+        ["model=llama3_1_70b", "parallelism=fsdp2", "mesh.dp_size=16", "mesh.tp_size=8",
+         "mesh.pp_size=4", "pipeline=interleaved", "trainer.seq_len=8192",
+         "trainer.local_batch_size=1", "trainer.global_batch_size=64",
+         "parallelism.activation_checkpointing=full", "plan.gpu=h100_80gb"]),
     "moe_256": (
         "Qwen3-30B-A3B, 256 ranks: dp_shard 256 with ep 8 (ep_shard 32), seq 4096, "
         "micro-batch 1, global batch 256, full AC, H100",
@@ -62,26 +69,21 @@ CASES = {
 }
 
 
-def _children() -> dict:
-    """pid -> parent pid of every process on the machine (from /proc/<pid>/stat)."""
-    parents = {}
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/stat") as f:
-                    stat = f.read()
-            except OSError:
-                continue
-            parents[int(name)] = int(stat.rsplit(")", 1)[1].split()[1])
-    return parents
-
-
 def _tree(root: int) -> list[int]:
-    parents = _children()
-    tree, frontier = [root], [root]
-    while frontier:
-        frontier = [p for p, pp in parents.items() if pp in frontier]
-        tree += frontier
+    """``root`` and its descendants (from each thread's /proc/<pid>/task/<tid>/children)."""
+    tree, i = [root], 0
+    while i < len(tree):
+        try:
+            tasks = os.listdir(f"/proc/{tree[i]}/task")
+        except OSError:
+            tasks = []
+        for tid in tasks:
+            try:
+                with open(f"/proc/{tree[i]}/task/{tid}/children") as f:
+                    tree += [int(c) for c in f.read().split()]
+            except OSError:
+                pass
+        i += 1
     return tree
 
 
@@ -110,21 +112,25 @@ def _field(pid: int, path: str, key: str) -> int:
 class TreeSampler(threading.Thread):
     """Samples the memory of ``root`` and its descendants until ``stop``."""
 
-    def __init__(self, root: int, interval: float = 0.05):
+    def __init__(self, root: int, interval: float = 0.2, pss_every: int = 5):
         super().__init__(daemon=True)
         self.root, self.interval, self.done = root, interval, threading.Event()
+        self.pss_every = pss_every
         self.peak_rss = self.peak_pss = 0
         self.hwm: dict = {}  # pid -> its own peak (VmHWM), the last seen
         self.cpu: dict = {}  # pid -> its CPU seconds, the last seen
         self.processes = 0
 
     def run(self):
+        sample = 0
         while not self.done.is_set():
             pids = _tree(self.root)
             rss = pss = 0
+            with_pss = sample % self.pss_every == 0  # (smaps_rollup costs more to read)
+            sample += 1
             for pid in pids:
                 rss += _field(pid, "status", "VmRSS")
-                pss += _field(pid, "smaps_rollup", "Pss")
+                pss += _field(pid, "smaps_rollup", "Pss") if with_pss else 0
                 hwm = _field(pid, "status", "VmHWM")
                 if hwm:
                     self.hwm[pid] = max(self.hwm.get(pid, 0), hwm)

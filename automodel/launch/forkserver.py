@@ -34,11 +34,12 @@ _RANK_VARIABLES = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROU
                    "MASTER_ADDR", "MASTER_PORT", "TORCH_NCCL_ASYNC_ERROR_HANDLING"}
 
 
-def context() -> multiprocessing.context.BaseContext:
-    """The fork-server context, its server set to preload ``PRELOAD`` (the preload list takes
-    effect when the server starts: once per launching process)."""
+def context(extra_preload: tuple = ()) -> multiprocessing.context.BaseContext:
+    """The fork-server context, its server set to preload ``PRELOAD`` and ``extra_preload``
+    (the preload list takes effect when the server starts: once per launching process; a
+    module that cannot be imported is skipped)."""
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
+    ctx.set_forkserver_preload([*PRELOAD, *extra_preload])
     _start_server()
     return ctx
 

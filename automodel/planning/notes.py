@@ -15,6 +15,9 @@ def plan_notes(cfg: TrainConfig, plan: dict) -> list[str]:
         "overhead_bytes + overhead_fraction x peak), not simulated",
         "step_time_s is the cost model's (docs/planning.md): no per-collective latency, no "
         "slowdown of compute by concurrent communication, no host-device copies",
+        "AdamW is simulated as it runs on the CPU (one parameter at a time); on a GPU it "
+        "updates all parameters of a group at once, with temporaries up to the size of its "
+        "states: a peak in the optimizer step can be that much higher",
     ]
     if getattr(cfg.parallelism, "enable_compile", False):
         notes.append("parallelism.enable_compile=true: simulated in eager mode; compiled "

@@ -30,7 +30,6 @@ from automodel.compat.planning import (
     offloaded_parameters,
     peak_snapshots,
     pipeline_warmup_without_peers,
-    real_tensors,
     sharding_propagation_marked,
     split_backward_tracked,
     value_checks_pass_on_fake_tensors,
@@ -135,8 +134,7 @@ def _build(cfg: TrainConfig, setup) -> _Job:
     from automodel.recipes.router_loss import RouterLoss
     from automodel.recipes.step import train_step
 
-    with real_tensors():  # plain meta parameters: parallelize splits them on meta kernels
-        model = build_meta_model(cfg.model)
+    model = build_meta_model(cfg.model)
     router_loss = RouterLoss.of(model)
     setup.strategy = planning_strategy(setup.strategy)  # (DDP: a stand-in; refusals)
     parallel = parallelize(model, setup, allocate_fake)
