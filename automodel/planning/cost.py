@@ -19,16 +19,16 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Iterable, Mapping
 
+from automodel.config import layout as layout_axes
 from automodel.config.build import ConfigError
+from automodel.config.layout import BASE_AXES, FLATTENED
 from automodel.planning.gpus import GpuProfile
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send", "recv",
          "broadcast")
-BASE_AXES = ("pp", "dp_replicate", "dp_shard", "cp_ring", "cp_ulysses", "tp")  # outermost first
-FLATTENED = {"dp": ("dp_replicate", "dp_shard"), "cp": ("cp_ring", "cp_ulysses"),
-             "dp_shard_cp": ("dp_shard", "cp_ring", "cp_ulysses"),
-             "dp_cp": ("dp_replicate", "dp_shard", "cp_ring", "cp_ulysses")}
-MOE_AXES = ("ep_shard", "ep_unit", "ep")  # a stage's dp x cp x tp ranks regrouped, ep innermost
+# the mesh's axes (outermost first), its flattened views and the MoE regrouping of a stage's
+# dp x cp x tp ranks (ep innermost): config/layout.py's
+MOE_AXES = tuple(a for a in layout_axes.MOE_AXES if a != "pp")
 AXES = (*BASE_AXES, *FLATTENED, *MOE_AXES, "world")
 # Collectives that overlap compute: FSDP's parameter all-gathers and gradient reduce-scatters,
 # and DDP's / HSDP's gradient all-reduces, on the data-parallel axes (ep_shard: the experts').
