@@ -20,3 +20,6 @@ class PlanConfig:
     top: int = 5  # layouts the search prints
     workers: Optional[int] = None  # processes simulating rank classes; null: the CPU count
     picture: bool = True  # plan.png beside plan.json
+    # simulate every layer (slower); by default a deep model of alike layers is simulated as
+    # two shallow copies, extended to its depth (automodel/planning/depth.py)
+    full_depth: bool = False

@@ -98,7 +98,8 @@ def _run(cfg, hc):
         return run_search(train, gpu, plan_cfg, out)
     from automodel.planning.plan import make_plan
 
-    result = make_plan(train, gpu, plan_cfg.calibration, plan_cfg.workers)
+    result = make_plan(train, gpu, plan_cfg.calibration, plan_cfg.workers,
+                       full_depth=plan_cfg.full_depth)
     write_plan(result, out, plan_cfg.picture)
     print(summary(result))
     return result

@@ -45,10 +45,26 @@ class SimulationError(RuntimeError):
 
 
 def simulate_classes(cfg: TrainConfig, classes: list[RankClass],
-                     workers: int | None = None) -> list[dict]:
-    """Each class's rank simulated in a fresh process (a process group each), in parallel."""
-    return simulate_configs([cfg] * len(classes), [c.rank for c in classes], workers,
-                            [c.name for c in classes])
+                     workers: int | None = None, full_depth: bool = False) -> list[dict]:
+    """Each class's rank simulated in a fresh process (a process group each), in parallel; a
+    deep model of alike layers as two shallow copies, extended to its depth
+    (``planning/depth.py``), unless ``full_depth``."""
+    from automodel.planning.depth import SHALLOW, extend, shallow_config, shallow_depths
+
+    ranks = [c.rank for c in classes]
+    depths = None if full_depth else shallow_depths(cfg)
+    if depths is None:
+        return simulate_configs([cfg] * len(classes), ranks, workers)
+    stages, sizes = depths
+    n = len(classes)
+    configs = [shallow_config(cfg, k, stages) for k in SHALLOW for _ in classes]
+    sims = simulate_configs(configs, ranks * len(SHALLOW), workers)
+    out = []
+    for a, b in zip(sims[:n], sims[n:]):
+        held = len(a["stages"])
+        out.append(extend(a, b, SHALLOW[0] * held, SHALLOW[1] * held,
+                          sum(sizes[s] for s in a["stages"])))
+    return out
 
 
 def simulate_configs(configs: list, ranks: list[int], workers: int | None = None,
@@ -107,7 +123,8 @@ def layout_text(cfg: TrainConfig) -> str:
 
 
 def make_plan(cfg: TrainConfig, profile: GpuProfile, calibration: dict | None = None,
-              workers: int | None = None, simulations: list[dict] | None = None) -> dict:
+              workers: int | None = None, simulations: list[dict] | None = None,
+              full_depth: bool = False) -> dict:
     """The plan of ``cfg`` on ``profile`` GPUs. ``simulations``: the classes' simulations
     when already made (the search re-costs them)."""
     classes = rank_classes(cfg)
@@ -115,7 +132,8 @@ def make_plan(cfg: TrainConfig, profile: GpuProfile, calibration: dict | None = 
         from automodel.planning.supported import check_plannable
 
         check_plannable(cfg)  # (before any simulation starts)
-    sims = simulations if simulations is not None else simulate_classes(cfg, classes, workers)
+    sims = simulations if simulations is not None else simulate_classes(cfg, classes, workers,
+                                                                           full_depth)
     pipeline = pipeline_summary(cfg)
     bubble = pipeline["bubble"] if pipeline else 0.0
     sizes = cost.mesh_sizes(cfg.layout)

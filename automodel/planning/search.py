@@ -252,7 +252,7 @@ def _confirm(base: list[str], best: dict, gpu: GpuProfile, plan_cfg) -> dict:
     from automodel.planning.plan import make_plan
 
     plan = make_plan(_resolve(base + best["overrides"]), gpu, plan_cfg.calibration,
-                     plan_cfg.workers)
+                     plan_cfg.workers, full_depth=plan_cfg.full_depth)
     return {"step_time_s": plan["step_time_s"], "fits": plan["fits"],
             "peak_bytes": max(r["peak_bytes"] for r in plan["ranks"]),
             "estimated_peak_bytes": best["peak_bytes"],

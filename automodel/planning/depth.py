@@ -1,0 +1,85 @@
+"""Simulating a deep model from two shallow copies of it.
+
+A rank's simulation costs time in proportion to the decoder layers it runs (times its
+micro-batches). The layers of most models are alike, and what a rank holds and does grows by the
+same amount with each layer it holds: its parameters, gradients and optimizer states, the
+activations its in-flight micro-batches keep, its FLOPs and its per-layer collectives. So a
+rank class is simulated with the model cut to ``SHALLOW`` layers per pipeline stage, twice, and
+every number of the simulation is extended along the line through the two to the rank's real
+layer count. Used where that saves much (``MIN_LAYERS`` per stage or more) and the layers are
+alike (the same parameter shapes, no per-layer pattern in the config); otherwise, and with
+``plan.full_depth=true``, the whole model is simulated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from automodel.config.pipeline_layout import stage_layer_ranges
+from automodel.config.resolve import TrainConfig
+
+SHALLOW = (2, 3)  # layers per stage of the two shallow simulations
+MIN_LAYERS = 6  # per stage: below this the whole model is simulated
+# config keys that make layers differ (dense layers before MoE ones, attention patterns)
+_PER_LAYER_KEYS = ("first_k_dense_replace", "mlp_only_layers", "layer_types",
+                   "decoder_sparse_step", "moe_layer_freq", "sliding_window_pattern")
+
+
+def stage_count(cfg: TrainConfig) -> int:
+    if cfg.pipeline is None:
+        return 1
+    from automodel.distributed.pipelining.schedule import stage_layout
+
+    return stage_layout(cfg.pipeline, cfg.layout.pp, _layers(cfg))[0]
+
+
+def _layers(cfg: TrainConfig) -> int:
+    from automodel.models import multimodal as mm
+    from automodel.models.builder import hf_config
+
+    return mm.text_config(hf_config(cfg.model)).num_hidden_layers
+
+
+def shallow_depths(cfg: TrainConfig) -> tuple[int, list[int]] | None:
+    """(stage count, layers of each stage) where the shortcut applies, else None."""
+    from automodel.models import multimodal as mm
+    from automodel.models.builder import hf_config
+
+    p = cfg.pipeline
+    if p is not None and (p.layers_per_stage or p.module_fqns_per_model_part
+                          or p.pp_schedule_csv):
+        return None  # (stages the user placed: simulated as they are)
+    text = mm.text_config(hf_config(cfg.model))
+    if mm.is_image_text(hf_config(cfg.model)) or any(
+            getattr(text, k, None) not in (None, 1, [], 0) and not _uniform(getattr(text, k))
+            for k in _PER_LAYER_KEYS):
+        return None
+    stages = stage_count(cfg)
+    sizes = [len(r) for r in stage_layer_ranges(text.num_hidden_layers, stages)]
+    return (stages, sizes) if min(sizes) >= MIN_LAYERS else None
+
+
+def _uniform(value) -> bool:
+    return isinstance(value, (list, tuple)) and len(set(value)) <= 1
+
+
+def shallow_config(cfg: TrainConfig, per_stage: int, stages: int) -> TrainConfig:
+    """``cfg`` with the model cut to ``per_stage`` layers in each of ``stages`` stages."""
+    model = dataclasses.replace(cfg.model, config={**cfg.model.config,
+                                                   "num_hidden_layers": per_stage * stages})
+    return dataclasses.replace(cfg, model=model)
+
+
+def extend(a: dict, b: dict, layers_a: int, layers_b: int, layers: int) -> dict:
+    """The simulation ``a`` (with ``layers_a`` layers on the rank) extended along the line
+    through ``b`` (``layers_b``) to ``layers``: every number; the rest is ``a``'s."""
+    def along(x, y):
+        if isinstance(x, dict) or isinstance(y, dict):
+            x, y = x or {}, y or {}
+            return {k: along(x.get(k, 0), y.get(k, 0)) for k in {*x, *y}}
+        if isinstance(x, bool) or not isinstance(x, (int, float)):
+            return x
+        value = x + (y - x) * (layers - layers_a) / (layers_b - layers_a)
+        return round(value) if isinstance(x, int) and isinstance(y, int) else value
+
+    return {k: along(v, b.get(k, v)) for k, v in a.items()}

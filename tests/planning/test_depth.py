@@ -1,0 +1,38 @@
+"""A deep model of alike layers planned from two shallow copies: every number equals the
+simulation of the whole model."""
+
+import pytest
+
+from automodel.planning.depth import extend
+
+
+@pytest.mark.fast
+def test_extend_follows_the_line_through_two_depths():
+    a = {"rank": 3, "stages": [0, 2], "peak_bytes": 100, "flops": 10.0,
+         "comm": {"tp": {"all_reduce": 40}}, "memory": {"activations": 60}}
+    b = {"rank": 3, "stages": [0, 2], "peak_bytes": 130, "flops": 14.0,
+         "comm": {"tp": {"all_reduce": 50}, "pp": {"send": 8}}, "memory": {"activations": 80}}
+    out = extend(a, b, 4, 6, 20)  # 2 stages of 2, then of 3 layers; 10 per stage really
+    assert out["rank"] == 3 and out["stages"] == [0, 2]
+    assert out["peak_bytes"] == 100 + 15 * 16 and out["flops"] == pytest.approx(10 + 2 * 16)
+    assert out["comm"] == {"tp": {"all_reduce": 40 + 5 * 16}, "pp": {"send": 8 * 8}}
+    assert out["memory"] == {"activations": 60 + 10 * 16}
+
+
+def test_two_shallow_simulations_give_the_full_ones_numbers():
+    """llama_tiny with 12 layers over 2 pipeline stages (6 each), FSDP2 x TP, selective AC."""
+    from automodel.planning.depth import shallow_depths
+    from automodel.planning.load import load_plan
+    from automodel.planning.plan import rank_classes, simulate_classes
+
+    cfg, _ = load_plan(["model.config.num_hidden_layers=12", "parallelism=fsdp2",
+                        "mesh.dp_size=2", "mesh.tp_size=2", "mesh.pp_size=2", "pipeline=1f1b",
+                        "parallelism.activation_checkpointing=selective",
+                        "trainer.global_batch_size=8"])
+    assert shallow_depths(cfg) == (2, [6, 6])
+    classes = rank_classes(cfg)
+    shallow = simulate_classes(cfg, classes, 2)
+    full = simulate_classes(cfg, classes, 2, full_depth=True)
+    for s, f in zip(shallow, full):
+        for key in ("peak_bytes", "memory", "flops", "comm", "comm_calls"):
+            assert s[key] == f[key], key
