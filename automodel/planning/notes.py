@@ -4,6 +4,7 @@ simulation stands in for the job's own behaviour, and what the numbers leave out
 from __future__ import annotations
 
 from automodel.config.resolve import TrainConfig
+from automodel.planning.strategies import STAND_IN_NOTES
 
 
 def plan_notes(cfg: TrainConfig, plan: dict) -> list[str]:
@@ -23,11 +24,8 @@ def plan_notes(cfg: TrainConfig, plan: dict) -> list[str]:
         notes.append("parallelism.enable_compile=true: simulated in eager mode; compiled "
                      "blocks fuse kernels, which can hold fewer activation and temporary "
                      "bytes and run faster than compute_efficiency assumes")
-    if cfg.strategy.name == "ddp":
-        notes.append("parallelism=ddp: DDP's C++ reducer re-enacted (planning/ddp.py); the "
-                     "step simulated is DDP's first, with the buckets of the wrap; a run "
-                     "rebuilds them in gradient-ready order after it: the bytes per step are "
-                     "the same, the number of all-reduces (comm_calls_per_step) may differ")
+    if cfg.strategy.name in STAND_IN_NOTES:  # (a wrap the planner stands in for)
+        notes.append(STAND_IN_NOTES[cfg.strategy.name])
     if cfg.layout.ep > 1:
         notes.append(f"mesh.ep_size={cfg.layout.ep}: routing simulated balanced (each expert "
                      "receives tokens x top_k / num_experts); a real router sends its busiest "

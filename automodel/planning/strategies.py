@@ -15,6 +15,13 @@ from automodel.config.build import ConfigError
 AS_IS = ("none", "fsdp2", "hsdp")
 # strategy -> the planning wrap that stands in for its ``wrap`` (an import path)
 PLANNING_WRAPS = {"ddp": "automodel.planning.ddp.wrap_planned_ddp"}
+# strategy -> what its stand-in does differently (a note of every plan of it)
+STAND_IN_NOTES = {
+    "ddp": "parallelism=ddp: DDP's C++ reducer re-enacted (planning/ddp.py); the step "
+           "simulated is DDP's first, with the buckets of the wrap; a run rebuilds them in "
+           "gradient-ready order after it: the bytes per step are the same, the number of "
+           "all-reduces (comm_calls_per_step) may differ",
+}
 # strategy -> why the planner cannot simulate it
 REFUSED = {
     "megatron_fsdp": (
