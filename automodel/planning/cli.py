@@ -56,13 +56,19 @@ def planning_env(plan: PlanConfig, mesh_dp_size) -> dict:
     return {"CUDA_VISIBLE_DEVICES": ""}
 
 
+def without_keys(overrides: list[str], prefixes: tuple) -> list[str]:
+    """``overrides`` without those whose key starts with one of ``prefixes`` (``+``/``~``
+    forms too): the keys a plan, a probe or a searched layout sets itself."""
+    return [o for o in overrides if not o.lstrip("+~").startswith(prefixes)]
+
+
 def resolve_for_plan(cfg, hc, plan: PlanConfig, output_dir: str):
     """The ``TrainConfig`` of the job planned, checked as a launch would check it (the
     model's layout: TP plan, pipeline split, context-parallel split), without reading data."""
     from automodel.config.resolve import resolve
     from automodel.launch.preflight import check_model_layout
 
-    overrides = [o for o in hc.overrides.task if not o.lstrip("+~").startswith("plan.")]
+    overrides = without_keys(list(hc.overrides.task), ("plan.",))
     env = planning_env(plan, cfg.mesh.dp_size)
     explicit = plan.gpus is not None and cfg.mesh.dp_size is not None
     if explicit:  # (the mesh's own ranks, then held against plan.gpus)

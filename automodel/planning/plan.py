@@ -225,7 +225,9 @@ def command_line(cfg: TrainConfig) -> str:
     mesh = {"dp_size": lay.dp, "dp_replicate_size": lay.dp_replicate, "tp_size": lay.tp,
             "cp_size": lay.cp, "cp_ulysses_size": lay.cp_ulysses, "pp_size": lay.pp,
             "ep_size": lay.ep}
-    kept = [o for o in cfg.overrides if not o.lstrip("+~").startswith(("mesh.", "plan."))]
+    from automodel.planning.cli import without_keys
+
+    kept = without_keys(cfg.overrides, ("mesh.", "plan."))
     spelled = [f"mesh.{k}={v}" for k, v in mesh.items()
                if v > 1 or k in ("dp_size", "pp_size") and cfg.pipeline is not None]
     return " ".join(["python train.py", *kept, *spelled])

@@ -49,7 +49,9 @@ def probe_overrides(base: list[str], tp: int, ac: str, depth: int, seq_len: int)
     owned = ("mesh.", "pipeline", "plan.", "parallelism.activation_checkpointing",
              "parallelism.sequence_parallel", "trainer.global_batch_size",
              "trainer.local_batch_size", "model.config.num_hidden_layers", "parallelism=")
-    kept = [o for o in base if not o.lstrip("+~").startswith(owned)]
+    from automodel.planning.cli import without_keys
+
+    kept = without_keys(base, owned)
     return [*kept, "parallelism=fsdp2", "pipeline=none", f"mesh.dp_size={PROBE_DP}",
             f"mesh.tp_size={tp}", f"parallelism.activation_checkpointing={ac_value(ac)}",
             f"parallelism.sequence_parallel={str(tp > 1).lower()}",

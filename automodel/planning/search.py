@@ -196,7 +196,9 @@ def model_facts(cfg) -> dict:
 def _base_overrides(cfg) -> list[str]:
     owned = ("mesh.", "pipeline", "plan.", "parallelism.activation_checkpointing",
              "parallelism.sequence_parallel", "trainer.local_batch_size")
-    return [o for o in cfg.overrides if not o.lstrip("+~").startswith(owned)]
+    from automodel.planning.cli import without_keys
+
+    return without_keys(cfg.overrides, owned)
 
 
 def _resolve(overrides: list[str]):
