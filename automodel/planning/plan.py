@@ -52,13 +52,14 @@ def simulate_classes(cfg: TrainConfig, classes: list[RankClass],
     from automodel.planning.depth import SHALLOW, extend, shallow_config, shallow_depths
 
     ranks = [c.rank for c in classes]
+    names = [c.name for c in classes]
     depths = None if full_depth else shallow_depths(cfg)
     if depths is None:
-        return simulate_configs([cfg] * len(classes), ranks, workers)
+        return simulate_configs([cfg] * len(classes), ranks, workers, names)
     stages, sizes = depths
     n = len(classes)
     configs = [shallow_config(cfg, k, stages) for k in SHALLOW for _ in classes]
-    sims = simulate_configs(configs, ranks * len(SHALLOW), workers)
+    sims = simulate_configs(configs, ranks * len(SHALLOW), workers, names * len(SHALLOW))
     out = []
     for a, b in zip(sims[:n], sims[n:]):
         held = len(a["stages"])
