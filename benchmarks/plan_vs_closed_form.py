@@ -2,7 +2,7 @@
 count of ``automodel/planning/closed_form.py``), for Llama 3.1 8B and 70B.
 
 * **Activations of one layer, per sequence.** As ``automodel/planning/probes.py`` does: the
-  job simulated with 2 and 3 decoder layers (FSDP2 over 64 ranks, so that model states stay
+  job simulated with 4 and 5 decoder layers (FSDP2 over 64 ranks, so that model states stay
   small, pp 1); one layer = the difference of the tracker's activation bytes at the two
   peaks (``plan``); ``peak growth`` is the probes' own per-layer cost, the difference of the
   peaks less that of the kept states (activations plus what else grows with depth at the
@@ -34,6 +34,7 @@ from automodel.planning.closed_form import (
     model_state_bytes,
     training_flops,
 )
+from automodel.planning.depth import SHALLOW as PROBE_DEPTHS
 
 
 @dataclass(frozen=True)
@@ -152,7 +153,7 @@ def run(layers: bool = True, full: bool = True, workers: int | None = 2) -> dict
     configs, ranks, jobs = [], [], []
     if layers:
         for c in LAYER_CASES:
-            for depth in (2, 3):
+            for depth in PROBE_DEPTHS:
                 configs.append(_load(overrides(c.model, c.seq, PROBE_DP, c.tp, c.sp, c.ac,
                                                c.mbs, depth)))
             jobs.append(("layer", c))

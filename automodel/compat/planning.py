@@ -13,6 +13,7 @@ from automodel.compat.planning_memory import (  # noqa: F401 (the planner's name
     in_sharding_propagation,
     memory_tracker,
     offloaded_parameters,
+    optimizer_peak_bytes,
     peak_snapshots,
     sharding_propagation_marked,
 )
@@ -31,6 +32,8 @@ INTERNALS = [
     Internal(f"{_TOOLS}.mem_tracker", "MemTracker._pre_fw_hook", _FEATURE,
              params=("self", "module", "inputs")),
     Internal(f"{_TOOLS}.mem_tracker", "MemTracker.memory_tracking", _FEATURE, patched=False,
+             assigned_in=True),
+    Internal(f"{_TOOLS}.mem_tracker", "MemTracker._in_opt", _FEATURE, patched=False,
              assigned_in=True),
     Internal(f"{_TOOLS}.mem_tracker", "MemTracker._update_peak_stats", _FEATURE,
              params=("self", "peak_state")),

@@ -14,6 +14,9 @@ from automodel.compat.core import Internal
 _TOOLS = "torch.distributed._tools"
 INTERNALS: list = []
 
+_PLAN = "plan.py (the memory count of every simulated operator)"
+_DISPATCH_NAMES = ("_fake_mode_on_entry", "_in_opt", "_in_ac", "is_bw", "_track",
+                   "_update_peak_stats", "wait_tensor")
 _OFFLOAD = "plan.py with parallelism.offload_policy (the memory FSDP2 keeps on the host)"
 _FSDP = "torch.distributed.fsdp._fully_shard"
 INTERNALS += [
@@ -26,6 +29,13 @@ INTERNALS += [
     Internal(f"{_TOOLS}.mem_tracker", "_WeakRefInfo.device", _OFFLOAD, patched=False,
              assigned_in=True),
     Internal(f"{_TOOLS}.mem_tracker", "_UpdateType", _OFFLOAD, patched=False),
+    # the planner's own copy of the tracker's operator hook (``_tracker_class``) does what
+    # torch's does with these of its names
+    Internal(f"{_TOOLS}.mem_tracker", "MemTracker.__torch_dispatch__", _PLAN,
+             params=("self", "func", "types", "args", "kwargs"),
+             check=lambda f: _names_used(f, _DISPATCH_NAMES)),
+    Internal(f"{_TOOLS}.mem_tracker", "MemTracker._track", _PLAN,
+             params=("self", "reftype", "t")),
     Internal(f"{_TOOLS}.common_utils", "get_untyped_storages", _OFFLOAD, patched=False,
              params=("t",)),
     Internal(f"{_FSDP}._fully_shard", "FSDPModule._get_fsdp_state", _OFFLOAD, patched=False,
@@ -41,6 +51,12 @@ INTERNALS += [
              check=lambda f: None if "sharded_param" in inspect.unwrap(f).__code__.co_names
              else "no longer assigns sharded_param"),
 ]
+
+
+def _names_used(f, names) -> str | None:
+    used = set(inspect.unwrap(f).__code__.co_names)
+    missing = [n for n in names if n not in used]
+    return f"no longer uses {', '.join(missing)}" if missing else None
 
 
 def offloaded_parameters(roots: list) -> list:
@@ -81,13 +97,48 @@ def memory_tracker(roots: list, optimizers: list, host_params: list = ()):
 
 @functools.cache
 def _tracker_class():
-    from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
+    import torch
+    from torch._guards import active_fake_mode
+    from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
+    from torch.distributed.tensor import DTensor
+
+    wait_tensor = torch.ops._c10d_functional.wait_tensor.default
 
     class StepMemTracker(_host_memory(), MemTracker):
+        # each memory's peak while the optimizer steps (its states, the gradients and its
+        # temporaries: a peak of its own, which the search's probes measure apart)
+        optimizer_peak: dict
+
+        def __init__(self):
+            super().__init__()
+            self.optimizer_peak = {}
+
+        def __enter__(self):
+            if self._depth == 0:  # (a new measurement, as torch's resets its peaks)
+                self.optimizer_peak = {}
+            return super().__enter__()
+
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if in_sharding_propagation():  # (no tensor of the rank: see below)
-                return func(*args, **(kwargs or {}))
-            return super().__torch_dispatch__(func, types, args, kwargs)
+            # torch's, leaner (the planner's most frequent frame: it ran a third of a
+            # simulation's time): the outputs walked without a pytree, and the peak taken
+            # where memory grows (``_update_snap``) instead of after every operator
+            if DTensor in types:
+                return NotImplemented  # (DTensor first turns it into operators on shards)
+            if func is wait_tensor and active_fake_mode():
+                res = args[0]  # (the fake kernel makes a new tensor; a real wait does not)
+            else:
+                res = func(*args, **(kwargs or {}))
+            if in_sharding_propagation() or active_fake_mode() is not self._fake_mode_on_entry:
+                return res  # (DTensor's shape propagation: no tensor of the rank)
+            if self._in_opt:
+                reftype = _MemRefType.OPT
+            elif self._mod_tracker.is_bw and not self._in_ac:
+                reftype = _MemRefType.TEMP
+            else:
+                reftype = _MemRefType.ACT
+            for t in _tensors(res):
+                self._track(reftype, t)
+            return res
 
         def _pre_fw_hook(self, module, inputs):
             if module in self.memory_tracking and not self._mod_tracker.is_bw:
@@ -103,6 +154,11 @@ def _tracker_class():
                     self._param_to_grad_hook_handles[p] = (_NoHook(), _NoHook())
             return super()._track_module_params_and_buffers(module, install_grad_hooks)
 
+        def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None):
+            super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
+            if u_type != _UpdateType.DEL:  # (memory grew, or moved between kinds)
+                self._update_peak_stats(None)
+
         def _update_peak_stats(self, peak_state):
             # the whole rank's peak only: torch's also walks every module's statistics on
             # every operator (most of a large model's planning time), which are not used
@@ -110,9 +166,27 @@ def _tracker_class():
                 if self._peak_mem.get(dev, 0) < snap[_TOTAL_KEY]:
                     self._peak_mem[dev] = snap[_TOTAL_KEY]
                     self._peak_mem_snap[dev] = dict(snap)
+                if self._in_opt and self.optimizer_peak.get(dev, 0) < snap[_TOTAL_KEY]:
+                    self.optimizer_peak[dev] = snap[_TOTAL_KEY]
             self._update_combined_peak()
 
+    from torch.distributed._tools.mem_tracker import _UpdateType
+
     return StepMemTracker
+
+
+def _tensors(out) -> list:
+    """The tensors an operator returned: itself, or those of its (nested) list or tuple."""
+    import torch
+
+    if isinstance(out, torch.Tensor):
+        return [out]
+    found: list = []
+    if isinstance(out, (list, tuple)):
+        for x in out:
+            found += _tensors(x) if isinstance(x, (list, tuple)) else \
+                [x] if isinstance(x, torch.Tensor) else []
+    return found
 
 
 def host_memory_device():
@@ -175,6 +249,7 @@ def _host_memory():
             winfo.device = host
             if winfo.mem_consumed > 0:
                 MemTracker._update_snap(self, _UpdateType.ADD, winfo)
+                self._update_peak_stats(None)
 
     return HostMemory
 
@@ -225,6 +300,12 @@ def peak_snapshots(tracker) -> dict:
     return {"device": _by_name(s for d, s in peaks.items() if d != host),
             "host": _by_name(s for d, s in peaks.items() if d == host),
             "all": _by_name(tracker.combined_peak_snap.values())}
+
+
+def optimizer_peak_bytes(tracker) -> int:
+    """The simulated device's peak while the optimizer stepped (0: it did not step)."""
+    host = host_memory_device()
+    return sum(n for d, n in tracker.optimizer_peak.items() if d != host)
 
 
 def _by_name(snaps) -> dict:

@@ -95,13 +95,15 @@ def _run(cfg, hc):
     gpu = profile(plan_cfg.gpu, **plan_cfg.gpu_spec)
     start_simulation_server(train_cfg)
     out = hc.runtime.output_dir
+    if plan_cfg.search:
+        from automodel.planning.search import resolve_for_search, run_search
+
+        train = resolve_for_search(without_keys(list(hc.overrides.task), ("plan.",)))
+        check_planning_compat()
+        check_plannable(train)  # (make_plan checks its own job)
+        return run_search(train, gpu, plan_cfg, out)
     train = resolve_for_plan(train_cfg, hc, plan_cfg, out)
     check_planning_compat()
-    if plan_cfg.search:
-        check_plannable(train)  # (make_plan checks its own job)
-        from automodel.planning.search import run_search
-
-        return run_search(train, gpu, plan_cfg, out)
     from automodel.planning.plan import make_plan
 
     result = make_plan(train, gpu, plan_cfg.calibration, plan_cfg.workers,

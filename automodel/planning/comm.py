@@ -1,9 +1,10 @@
 """Bytes of every collective a rank issues, by mesh axis and kind, counted as the ops run.
 
-``CommCounter`` is a dispatch mode: each c10d or functional collective op that passes through
-it is sized (the bytes below) and keyed by the mesh axis whose process group it runs on. Under
-the planner it sits above ``FakeTensorMode`` on a fake process group, so automodel's real
-code (FSDP2, DTensor redistributions, the pipeline's sends) is what gets counted.
+``CommCounter`` sees every op of the simulated step (``counters.StepCounters``): each c10d or
+functional collective op is sized (the bytes below) and keyed by the mesh axis whose process
+group it runs on. Under the planner it sits above ``FakeTensorMode`` on a fake process group,
+so automodel's real code (FSDP2, DTensor redistributions, the pipeline's sends) is what gets
+counted.
 
 Bytes, per rank and per op (``numel * element_size`` of the tensors named):
 - ``all_gather``: the gathered output;
@@ -19,15 +20,8 @@ from collections import defaultdict
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
-from automodel.compat import dispatch_mode_base
-from automodel.compat.planning import (
-    collective_group,
-    collective_ops,
-    in_sharding_propagation,
-    op_name,
-)
+from automodel.compat.planning import collective_group, collective_ops, op_name
 
 # op name -> (kind, where the sized tensors are: an argument index, or "out" for the result)
 _OPS = {
@@ -62,27 +56,19 @@ def tensor_bytes(obj) -> int:
     return 0
 
 
-class CommCounter(dispatch_mode_base()):
+class CommCounter:
     """Counts collective bytes per (axis, kind). ``axis_of``: process group -> axis name;
     a group it does not know is named by its ranks (``ranks 0,3``)."""
 
     def __init__(self, axis_of: dict):
-        super().__init__()
         self.axis_of = axis_of
         self.bytes: dict = defaultdict(lambda: defaultdict(int))
         self.calls: dict = defaultdict(lambda: defaultdict(int))
         self._ops = collective_ops()
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if in_sharding_propagation():  # (DTensor's shape arithmetic, not the rank's work)
-            return func(*args, **(kwargs or {}))
-        if any(t is DTensor for t in types):
-            return NotImplemented  # (DTensor's own collectives come back here)
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+    def observe(self, func, args, kwargs, out) -> None:
         if func in self._ops:
             self._count(func, args, out)
-        return out
 
     def _count(self, func, args, out) -> None:
         name = op_name(func)

@@ -9,6 +9,14 @@ every number of the simulation is extended along the line through the two to the
 layer count. Used where that saves much (``MIN_LAYERS`` per stage or more) and the layers are
 alike (the same parameter shapes, no per-layer pattern in the config); otherwise, and with
 ``plan.full_depth=true``, the whole model is simulated.
+
+The two depths must both be past the model's edge effects: FSDP2 keeps a few layers' buffers in
+flight around the one it runs (the next layer's prefetched parameters, the previous one's
+gradient reduction), so a rank's peak grows faster than a layer's own cost until it holds
+about four layers. With 2 and 3 layers the line was that much too steep: the plan of a 70B
+model with two sequences per micro-batch came out at 83 GiB instead of 15. ``SHALLOW`` starts
+at 4, where the peak of every layout tried grows by exactly one layer's cost
+(``tests/planning/test_depth.py`` checks such a layout against the whole model).
 """
 
 from __future__ import annotations
@@ -18,8 +26,8 @@ import dataclasses
 from automodel.config.pipeline_layout import stage_layer_ranges
 from automodel.config.resolve import TrainConfig
 
-SHALLOW = (2, 3)  # layers per stage of the two shallow simulations
-MIN_LAYERS = 6  # per stage: below this the whole model is simulated
+SHALLOW = (4, 5)  # layers per stage of the two shallow simulations
+MIN_LAYERS = 12  # per stage: below this the whole model is simulated (no time saved)
 # config keys that make layers differ (dense layers before MoE ones, attention patterns)
 _PER_LAYER_KEYS = ("first_k_dense_replace", "mlp_only_layers", "layer_types",
                    "decoder_sparse_step", "moe_layer_freq", "sliding_window_pattern")

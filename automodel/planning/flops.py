@@ -1,22 +1,20 @@
-"""FLOPs of the ops a rank runs, counted as they run (a dispatch mode).
+"""FLOPs of the ops a rank runs, counted as they run (``counters.StepCounters`` shows each).
 
 torch's formulas (``torch.utils.flop_counter``: matmuls, convolutions, the GPU attention
 kernels) plus the CPU attention kernel the planner runs in their place (counted as the GPU's
 flash attention would be) and grouped matmuls (mixtures of experts). Causal attention counts
 half of the full score matrix, as the kernels skip the masked half.
 
-A DTensor op is passed on (``NotImplemented``) to DTensor, which runs it as ops on this rank's
-shards: those are counted.
+A DTensor op reaches the counter as the ops DTensor runs on this rank's shards: those are
+counted.
 """
 
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
-from automodel.compat import dispatch_mode_base
-from automodel.compat.planning import in_sharding_propagation, op_packet
+from automodel.compat.planning import op_packet
 
 aten = torch.ops.aten
 
@@ -49,24 +47,13 @@ if hasattr(aten, "_grouped_mm"):
     _EXTRA[aten._grouped_mm] = _grouped_mm
 
 
-class FlopCounter(dispatch_mode_base()):
+class FlopCounter:
     def __init__(self):
-        super().__init__()
         self.total = 0
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if in_sharding_propagation():  # (DTensor's shape arithmetic, not the rank's work)
-            return func(*args, **(kwargs or {}))
-        if any(t is DTensor for t in types):
-            return NotImplemented  # (its local ops come back here)
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+    def observe(self, func, args, kwargs, out) -> None:
         packet = op_packet(func)
         if packet in _EXTRA:
-            n = _EXTRA[packet](*args, **kwargs)
+            self.total += int(_EXTRA[packet](*args, **kwargs))
         elif packet in flop_registry:
-            n = flop_registry[packet](*args, **kwargs, out_val=out)
-        else:
-            return out
-        self.total += int(n)
-        return out
+            self.total += int(flop_registry[packet](*args, **kwargs, out_val=out))

@@ -10,6 +10,7 @@ them (the first: where FSDP's shards are uneven it holds the larger one).
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import os
 from dataclasses import dataclass
 
@@ -104,6 +105,8 @@ def _simulate(cfg: TrainConfig, rank: int) -> dict:
     from automodel.planning.simulate import as_dict, simulate_rank
 
     warnings.filterwarnings("ignore")  # (FSDP2's view-output caution, on every forward)
+    # (DTensor's advice to flatten the mesh for a norm over two axes: once per worker)
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     try:
         return as_dict(simulate_rank(cfg, rank))
     except ConfigError:

@@ -2,19 +2,21 @@
 activation-checkpointing mode, from which the search estimates any layout in microseconds.
 
 A probe is the planner's own simulation (``simulate.py``) of a short copy of the model (its
-configuration with 2, then 3 decoder layers) on 2 FSDP2 ranks x ``tp``, one micro-batch of one
-sequence of the job's length, no pipeline. What changes between the two depths is one layer's
-cost: its parameters, gradients and optimizer states; its activations at the peak; its FLOPs;
-its collectives. What does not is the rest (embedding, head, loss, the temporaries of the
-step). Layers of one model are alike, so a rank holding ``n`` of them costs ``rest + n x
-layer`` (with the embedding and the head only where the rank holds them).
+configuration with 4, then 5 decoder layers: past the edge effects, ``depth.py``) on 2 FSDP2
+ranks x ``tp``, one micro-batch of one sequence of the job's length, no pipeline. What changes
+between the two depths is one layer's cost: its parameters, gradients and optimizer states; its
+activations at the peak; its FLOPs; its collectives. What does not is the rest (embedding,
+head, loss, the temporaries of the step). Layers of one model are alike, so a rank holding
+``n`` of them costs ``rest + n x layer`` (with the embedding and the head only where the rank
+holds them).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-PROBE_DEPTHS = (2, 3)
+from automodel.planning.depth import SHALLOW as PROBE_DEPTHS  # (why these depths: there)
+
 PROBE_DP = 2  # FSDP2 ranks of a probe (its collectives appear; sharded state is / 2)
 STATE = ("parameters_sharded", "optimizer_states")  # kept between steps, sharded by FSDP
 
@@ -27,15 +29,22 @@ class LayerCosts:
     tp: int
     ac: str
     layer_state: float  # bytes of one layer's sharded parameters and optimizer states
-    layer_activation: float  # one layer's share of the peak beyond its state
+    layer_activation: float  # one layer's activations at the peak, per sequence
     layer_flops: float
     layer_comm: dict = field(default_factory=dict)  # axis -> kind -> bytes
     rest_state: float = 0.0  # embedding, head, norm: state
-    rest_peak: float = 0.0  # what the peak holds besides the layers, per sequence (loss, ...)
+    rest_peak: float = 0.0  # what the peak holds besides the layers, per sequence (the
+    # loss, the embedding's output, a recomputed layer's activations ...)
     rest_fixed: float = 0.0  # ... and what does not grow with the micro-batch (gathered
-    # parameters, temporaries)
+    # parameters, gradients, temporaries)
     rest_flops: float = 0.0
     rest_comm: dict = field(default_factory=dict)
+    # the peak while the optimizer steps (states, gradients, the step's temporaries): a
+    # peak of its own where the state outweighs the activations
+    layer_optimizer_peak: float = 0.0
+    rest_optimizer_peak: float = 0.0
+    replicated: bool = False  # HSDP: 2 replicas of the sharded ranks
+    layer_fixed: float = 0.0  # the rest of one layer's share of the peak (not per sequence)
 
 
 def ac_value(mode: str) -> str:
@@ -43,24 +52,31 @@ def ac_value(mode: str) -> str:
     return "false" if mode == "none" else mode
 
 
-def probe_overrides(base: list[str], tp: int, ac: str, depth: int, seq_len: int) -> list[str]:
+def probe_overrides(base: list[str], tp: int, ac: str, depth: int, seq_len: int,
+                    replicated: bool = False, sequences: int = 1) -> list[str]:
     """train.py overrides of one probe: the job's own (model, data, precision, ...) without
-    what the probe sets."""
+    what the probe sets. ``replicated``: HSDP, 2 replicas of the ``PROBE_DP`` shards (what
+    the replicas' reduction holds and sends, per layer)."""
     owned = ("mesh.", "pipeline", "plan.", "parallelism.activation_checkpointing",
              "parallelism.sequence_parallel", "trainer.global_batch_size",
              "trainer.local_batch_size", "model.config.num_hidden_layers", "parallelism=")
     from automodel.planning.cli import without_keys
 
     kept = without_keys(base, owned)
-    return [*kept, "parallelism=fsdp2", "pipeline=none", f"mesh.dp_size={PROBE_DP}",
+    dp = PROBE_DP * (2 if replicated else 1)
+    hsdp = ["mesh.dp_replicate_size=2"] if replicated else []
+    return [*kept, "parallelism=fsdp2", "pipeline=none", f"mesh.dp_size={dp}", *hsdp,
             f"mesh.tp_size={tp}", f"parallelism.activation_checkpointing={ac_value(ac)}",
             f"parallelism.sequence_parallel={str(tp > 1).lower()}",
-            f"trainer.global_batch_size={PROBE_DP}", "trainer.local_batch_size=1",
+            f"trainer.global_batch_size={dp * sequences}",
+            f"trainer.local_batch_size={sequences}",
             f"trainer.seq_len={seq_len}", f"++model.config.num_hidden_layers={depth}"]
 
 
-def layer_costs(tp: int, ac: str, shallow: dict, deep: dict) -> LayerCosts:
-    """From the simulations (``as_dict``) at the two depths."""
+def layer_costs(tp: int, ac: str, shallow: dict, deep: dict, wider: dict,
+                replicated: bool = False) -> LayerCosts:
+    """From the simulations (``as_dict``) at the two depths, and of the shallow one with two
+    sequences per micro-batch (``wider``: what the rest holds per sequence)."""
     def state(sim):
         return sum(sim["memory"][k] for k in STATE)
 
@@ -68,16 +84,25 @@ def layer_costs(tp: int, ac: str, shallow: dict, deep: dict) -> LayerCosts:
     d_peak = deep["peak_bytes"] - shallow["peak_bytes"]
     d_flops = deep["flops"] - shallow["flops"]
     n = PROBE_DEPTHS[0]
-    fixed = shallow["memory"]["parameters_unsharded"] + shallow["memory"]["temporary"]
-    rest = shallow["peak_bytes"] - state(shallow) - n * max(0.0, d_peak - d_state)
+    growth = max(0.0, d_peak - d_state)  # one layer's share of the peak beyond its state:
+    # what it keeps per sequence (the tracker's activations) and what it does not (its
+    # gradient, buffers of its reduction)
+    d_act = min(growth, max(0.0, deep["memory"]["activations"]
+                            - shallow["memory"]["activations"]))
+    rest = shallow["peak_bytes"] - state(shallow) - n * growth
+    per_sequence = min(rest, max(0.0, wider["peak_bytes"] - shallow["peak_bytes"] - n * d_act))
     return LayerCosts(
-        tp, ac, layer_state=d_state, layer_activation=max(0.0, d_peak - d_state),
-        layer_flops=d_flops, layer_comm=_comm_delta(shallow["comm"], deep["comm"]),
+        tp, ac, replicated=replicated, layer_state=d_state, layer_activation=d_act,
+        layer_fixed=growth - d_act, layer_flops=d_flops,
+        layer_comm=_comm_delta(shallow["comm"], deep["comm"]),
         rest_state=state(shallow) - n * d_state,
-        rest_peak=max(0.0, rest - fixed), rest_fixed=min(rest, fixed),
+        rest_peak=per_sequence, rest_fixed=rest - per_sequence,
         rest_flops=shallow["flops"] - n * d_flops,
         rest_comm=_comm_delta(_scaled(_comm_delta(shallow["comm"], deep["comm"]), n),
-                              shallow["comm"]))
+                              shallow["comm"]),
+        layer_optimizer_peak=deep["optimizer_peak_bytes"] - shallow["optimizer_peak_bytes"],
+        rest_optimizer_peak=shallow["optimizer_peak_bytes"] - n * (
+            deep["optimizer_peak_bytes"] - shallow["optimizer_peak_bytes"]))
 
 
 def _comm_delta(a: dict, b: dict) -> dict:
@@ -94,14 +119,18 @@ def _scaled(comm: dict, factor: float) -> dict:
     return {axis: {k: v * factor for k, v in kinds.items()} for axis, kinds in comm.items()}
 
 
-def run_probes(cfg, keys: list[tuple[int, str]], resolve_overrides, workers=None) -> dict:
-    """``{(tp, ac): LayerCosts}``: each key simulated at both depths, in parallel.
-    ``resolve_overrides(overrides) -> TrainConfig`` resolves a probe's config as plan.py
-    does."""
+def run_probes(cfg, keys: list[tuple[int, str, bool]], resolve_overrides,
+               workers=None) -> dict:
+    """``{(tp, ac, replicated): LayerCosts}``: each key simulated at both depths, in
+    parallel. ``resolve_overrides(overrides) -> TrainConfig`` resolves a probe's config as
+    plan.py does."""
     from automodel.planning.plan import simulate_configs
 
+    runs = [(PROBE_DEPTHS[0], 1), (PROBE_DEPTHS[1], 1), (PROBE_DEPTHS[0], 2)]
     configs = [resolve_overrides(probe_overrides(cfg.overrides, tp, ac, depth,
-                                                 cfg.trainer.seq_len))
-               for tp, ac in keys for depth in PROBE_DEPTHS]
+                                                 cfg.trainer.seq_len, replicated, sequences))
+               for tp, ac, replicated in keys for depth, sequences in runs]
     sims = simulate_configs(configs, [0] * len(configs), workers)
-    return {key: layer_costs(*key, sims[2 * i], sims[2 * i + 1]) for i, key in enumerate(keys)}
+    k = len(runs)
+    return {key: layer_costs(key[0], key[1], *sims[k * i:k * i + k], key[2])
+            for i, key in enumerate(keys)}

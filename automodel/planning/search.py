@@ -41,6 +41,11 @@ class Candidate:
     mbs: int  # sequences per micro-batch
 
     @property
+    def probe(self) -> tuple[int, str, bool]:
+        """The probe it is estimated from (``probes.run_probes``' key)."""
+        return self.tp, self.ac, self.dp_replicate > 1
+
+    @property
     def layout(self) -> Layout:
         return Layout(pp=self.pp, dp_replicate=self.dp_replicate, dp_shard=self.dp_shard,
                       tp=self.tp)
@@ -108,7 +113,7 @@ def estimate(c: Candidate, costs, model: dict, job: dict, profile: GpuProfile,
     """The candidate's predicted peak per pipeline rank, step time and fit, from its probe
     ``costs`` (``LayerCosts`` at its tp and checkpointing mode). ``model``: layers, hidden,
     embed_share / head_share (of the probe's rest state); ``job``: global_batch, seq_len,
-    activation_bytes (of an element passed between stages), plain_loss."""
+    activation_bytes (of an element passed between stages)."""
     dp = c.dp_replicate * c.dp_shard
     micro = job["global_batch"] // dp // c.mbs
     if c.pp > 1:
@@ -138,22 +143,25 @@ def _rank(c: Candidate, costs, model: dict, job: dict, stages, layers, held, n_s
     head = n_stages - 1 in stages  # (with the loss, whose logits grow with the micro-batch)
     ends = (0 in stages) * model["embed_share"] + (n_stages - 1 in stages) * model["head_share"]
     state = (costs.layer_state * n + costs.rest_state * (ends if c.pp > 1 else 1)) * scale
-    activations = costs.layer_activation * c.mbs * sum(layers[s] * held[s] for s in stages)
+    activations = costs.layer_activation * c.mbs * sum(layers[s] * held[s] for s in stages) \
+        + costs.layer_fixed * n
     flops = (costs.layer_flops * n + costs.rest_flops * head) * c.mbs * micro
     comm = _rank_comm(c, costs, n, micro, head)
     if c.pp > 1:
         p2p = c.mbs * job["seq_len"] * model["hidden"] * job["activation_bytes"] * micro
         comm["pp"] = {"send": p2p * len(stages), "recv": p2p * len(stages)}
     # the rest of the peak (the loss, the head's gradient...) is the probe's, on the rank with
-    # the head; only the plain loss's logits grow with the micro-batch (the fused loss works
-    # through chunks of a fixed size)
-    rest = costs.rest_peak * (c.mbs if job.get("plain_loss") else 1) * (c.pp == 1 or head)
+    # the head: its part per sequence (measured with two) grows with the micro-batch
+    rest = costs.rest_peak * c.mbs * (c.pp == 1 or head)
     peak = state + activations + costs.rest_fixed + rest
     if micro > 1:  # FSDP2 keeps unsharded gradients between micro-batches (it reduces once)
         rs = [costs.layer_comm, costs.rest_comm]
         layer_rs, rest_rs = (x.get("dp_shard", {}).get("reduce_scatter", 0) for x in rs)
         peak += layer_rs * n + rest_rs * (ends if c.pp > 1 else 1)
-    return {"stages": list(stages), "layers": n, "peak_bytes": int(peak),
+    # the optimizer's step: the sharded states, gradients and the step's temporaries
+    stepping = (costs.layer_optimizer_peak * n
+                + costs.rest_optimizer_peak * (ends if c.pp > 1 else 1)) * scale
+    return {"stages": list(stages), "layers": n, "peak_bytes": int(max(peak, stepping)),
             "flops": flops, "comm": comm}
 
 
@@ -193,12 +201,29 @@ def model_facts(cfg) -> dict:
             "embed_share": 1.0 if tied else 0.5, "head_share": 1.0 if tied else 0.5}
 
 
-def _base_overrides(cfg) -> list[str]:
-    owned = ("mesh.", "pipeline", "plan.", "parallelism.activation_checkpointing",
-             "parallelism.sequence_parallel", "trainer.local_batch_size")
+# the keys the search chooses (a job's own value is refused: the search would drop it)
+SEARCHED = ("mesh.", "pipeline", "parallelism.activation_checkpointing",
+            "parallelism.sequence_parallel", "trainer.local_batch_size")
+
+
+def resolve_for_search(overrides: list[str]):
+    """The job's own settings (model, data, precision, batch, ...) resolved as one rank: its
+    layout is what the search chooses, so none may be given."""
+    from automodel.config.build import ConfigError
     from automodel.planning.cli import without_keys
 
-    return without_keys(cfg.overrides, owned)
+    given = [o for o in overrides if o not in without_keys(overrides, SEARCHED)]
+    if given:
+        raise ConfigError(f"plan.search=true chooses the layout itself, but {' '.join(given)} "
+                          "sets part of it: drop it (or plan that layout without "
+                          "plan.search)")
+    return _resolve([*overrides, "mesh.dp_size=1"])
+
+
+def _base_overrides(cfg) -> list[str]:
+    from automodel.planning.cli import without_keys
+
+    return without_keys(cfg.overrides, ("plan.", *SEARCHED))
 
 
 def _resolve(overrides: list[str]):
@@ -221,32 +246,48 @@ def run_search(train, gpu: GpuProfile, plan_cfg, out: str) -> list[dict]:
     model = model_facts(train)
     t = train.trainer
     job = {"global_batch": t.global_batch_size, "seq_len": t.seq_len,
-           "activation_bytes": 2 if train.mp_policy is not None else 4,
-           "plain_loss": getattr(t.loss, "value", t.loss) == "plain"}
+           "activation_bytes": 2 if train.mp_policy is not None else 4}
     found = candidates(plan_cfg.gpus, gpu.gpus_per_node, model["heads"], model["kv_heads"],
                        model["layers"], t.global_batch_size)
     if not found:
         raise ConfigError(f"no layout of {plan_cfg.gpus} GPUs takes trainer.global_batch_size="
                           f"{t.global_batch_size}: choose a batch that the data-parallel "
                           "degrees divide")
-    costs = run_probes(train, sorted({(c.tp, c.ac) for c in found}), _resolve,
-                       plan_cfg.workers)
-    ranked = sorted((estimate(c, costs[(c.tp, c.ac)], model, job, gpu, plan_cfg.calibration)
+    costs = run_probes(train, sorted({c.probe for c in found}), _resolve, plan_cfg.workers)
+    ranked = sorted((estimate(c, costs[c.probe], model, job, gpu, plan_cfg.calibration)
                      for c in found), key=_rank_key)
     fitting = [e for e in ranked if e["fits"]]
     base = _base_overrides(train)
-    for e in fitting[:plan_cfg.top]:
+    refused, best = _confirm_fastest(base, fitting, gpu, plan_cfg)
+    top = [e for e in fitting if e not in refused][:plan_cfg.top]
+    for e in top + refused:
         e["command"] = " ".join(["python train.py", *base, *e["overrides"]])
     result = {"gpus": plan_cfg.gpus, "gpu": gpu.as_dict(), "searched": len(found),
-              "fitting": len(fitting), "top": fitting[:plan_cfg.top],
-              "probes": {f"tp{tp}_{ac}": dataclasses.asdict(c) for (tp, ac), c in costs.items()}}
-    if fitting:
-        result["best_planned"] = _confirm(base, fitting[0], gpu, plan_cfg)
+              "fitting": len(fitting), "top": top, "refused_in_full": refused,
+              "probes": {f"tp{tp}_{ac}{'_hsdp' * r}": dataclasses.asdict(c)
+                         for (tp, ac, r), c in costs.items()}}
+    if best is not None:
+        result["best_planned"] = best["planned"]
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "search.json"), "w") as f:
         json.dump(result, f, indent=1)
     print(search_summary(result))
     return result["top"]
+
+
+CONFIRM_TRIES = 3  # estimates planned in full, fastest first, until one fits
+
+
+def _confirm_fastest(base: list[str], fitting: list[dict], gpu: GpuProfile, plan_cfg):
+    """(the fastest estimates that the full plan found not to fit, the first that it
+    confirmed or None): each planned in full in turn, up to ``CONFIRM_TRIES``."""
+    refused = []
+    for e in fitting[:CONFIRM_TRIES]:
+        e["planned"] = _confirm(base, e, gpu, plan_cfg)
+        if e["planned"]["fits"]:
+            return refused, e
+        refused.append(e)
+    return refused, None
 
 
 def _confirm(base: list[str], best: dict, gpu: GpuProfile, plan_cfg) -> dict:
@@ -270,10 +311,16 @@ def search_summary(result: dict) -> str:
                      f"peak {e['peak_bytes'] / GiB:.1f} GiB (pp {c['pp']} {c['schedule']}, "
                      f"dp {c['dp_replicate']}x{c['dp_shard']}, tp {c['tp']}, AC {c['ac']}, "
                      f"micro-batch {c['mbs']})\n    {e['command']}")
+    for e in result.get("refused_in_full", []):
+        p = e["planned"]
+        lines.append(f" left out: estimated {e['peak_bytes'] / GiB:.1f} GiB, planned in full "
+                     f"{p['peak_bytes'] / GiB:.1f} GiB: does not fit\n    {e['command']}")
     best = result.get("best_planned")
     if best:
         lines.append(f" #1 planned in full: {best['step_time_s']:.3f} s/step, peak "
                      f"{best['peak_bytes'] / GiB:.1f} GiB (estimated "
-                     f"{best['estimated_peak_bytes'] / GiB:.1f}), "
-                     f"{'fits' if best['fits'] else 'DOES NOT FIT'}")
+                     f"{best['estimated_peak_bytes'] / GiB:.1f}), fits")
+    elif result["top"] or result.get("refused_in_full"):
+        lines.append(f" none of the {CONFIRM_TRIES} fastest fits when planned in full: plan "
+                     "the others one by one (their commands above)")
     return "\n".join(lines)

@@ -28,6 +28,7 @@ from automodel.compat.planning import (
     fake_tensor_mode,
     memory_tracker,
     offloaded_parameters,
+    optimizer_peak_bytes,
     peak_snapshots,
     pipeline_warmup_without_peers,
     sharding_propagation_marked,
@@ -36,6 +37,7 @@ from automodel.compat.planning import (
 )
 from automodel.config.resolve import TrainConfig
 from automodel.planning.comm import CommCounter, axis_groups
+from automodel.planning.counters import StepCounters
 from automodel.planning.fake import RealStaysReal, allocate_fake
 from automodel.planning.flops import FlopCounter
 
@@ -63,6 +65,7 @@ class RankSimulation:
     host_bytes: int = 0
     host_memory: dict = dataclasses.field(default_factory=dict)
     combined_peak_bytes: int = 0  # the peak of device and host memory together
+    optimizer_peak_bytes: int = 0  # the device's peak while the optimizer steps
 
 
 @contextlib.contextmanager
@@ -177,7 +180,7 @@ def _measure(job: _Job, micro, rank: int, axis_of: dict) -> RankSimulation:
         _make_optimizer_states(job)
     tracker.reset_mod_stats()
     counter, flops = CommCounter(axis_of), FlopCounter()
-    with tracker, flops, counter:
+    with tracker, StepCounters(flops, counter):
         job.step(micro)
     for h in hooks:
         h.remove()
@@ -192,7 +195,7 @@ def _measure(job: _Job, micro, rank: int, axis_of: dict) -> RankSimulation:
     return RankSimulation(rank, list(job.parallel.stage_ids), total, memory, detail,
                           counter.result(), flops.total, recv, counter.call_counts(),
                           host_total, memory_split(host, host_sharded) if host else {},
-                          peaks["all"].get("Total", 0))
+                          peaks["all"].get("Total", 0), optimizer_peak_bytes(tracker))
 
 
 def memory_split(detail: dict, sharded: int) -> dict:

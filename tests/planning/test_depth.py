@@ -19,20 +19,37 @@ def test_extend_follows_the_line_through_two_depths():
     assert out["memory"] == {"activations": 60 + 10 * 16}
 
 
-def test_two_shallow_simulations_give_the_full_ones_numbers():
-    """llama_tiny with 12 layers over 2 pipeline stages (6 each), FSDP2 x TP, selective AC."""
+def _shallow_equals_full(overrides: list[str], depths) -> None:
     from automodel.planning.depth import shallow_depths
     from automodel.planning.load import load_plan
     from automodel.planning.plan import rank_classes, simulate_classes
 
-    cfg, _ = load_plan(["model.config.num_hidden_layers=12", "parallelism=fsdp2",
-                        "mesh.dp_size=2", "mesh.tp_size=2", "mesh.pp_size=2", "pipeline=1f1b",
-                        "parallelism.activation_checkpointing=selective",
-                        "trainer.global_batch_size=8"])
-    assert shallow_depths(cfg) == (2, [6, 6])
+    cfg, _ = load_plan(overrides)
+    assert shallow_depths(cfg) == depths
     classes = rank_classes(cfg)
     shallow = simulate_classes(cfg, classes, 2)
     full = simulate_classes(cfg, classes, 2, full_depth=True)
     for s, f in zip(shallow, full):
         for key in ("peak_bytes", "memory", "flops", "comm", "comm_calls"):
             assert s[key] == f[key], key
+
+
+def test_two_shallow_simulations_give_the_full_ones_numbers():
+    """llama_tiny with 24 layers over 2 pipeline stages (12 each), FSDP2 x TP, selective AC."""
+    _shallow_equals_full(["model.config.num_hidden_layers=24", "parallelism=fsdp2",
+                          "mesh.dp_size=2", "mesh.tp_size=2", "mesh.pp_size=2", "pipeline=1f1b",
+                          "parallelism.activation_checkpointing=selective",
+                          "trainer.global_batch_size=8"], (2, [12, 12]))
+
+
+def test_shallow_depths_are_past_fsdps_buffers_in_flight():
+    """Small shards (64 FSDP ranks), two sequences per micro-batch, full AC, TP 2 + SP: the
+    peak is in the backward, where FSDP2 holds a few layers' buffers at once (a prefetched
+    layer, a reduction in flight). From 2 and 3 layers the line climbed a whole unsharded
+    layer per layer; from 4 and 5 it is exact."""
+    _shallow_equals_full(["model.config.num_hidden_layers=12", "parallelism=fsdp2",
+                          "mesh.dp_size=64", "mesh.tp_size=2", "pipeline=none",
+                          "parallelism.sequence_parallel=true",
+                          "parallelism.activation_checkpointing=full",
+                          "trainer.local_batch_size=2", "trainer.global_batch_size=128"],
+                         (1, [12]))

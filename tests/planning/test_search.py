@@ -1,6 +1,7 @@
 """plan.search: the layouts it enumerates, how it estimates one from probes, and a real search
 whose best layout, planned in full, matches its estimate."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from automodel.planning.gpus import profile
-from automodel.planning.probes import LayerCosts, layer_costs, probe_overrides
+from automodel.planning.probes import PROBE_DEPTHS, LayerCosts, layer_costs, probe_overrides
 from automodel.planning.search import Candidate, candidates, estimate
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,11 +47,10 @@ def _costs(tp=1, ac="none"):
 def test_estimate_adds_up_state_activations_and_deferred_gradients():
     gpu = profile("h100_80gb")
     model = {"layers": 4, "hidden": 8, "embed_share": 0.5, "head_share": 0.5}
-    job = {"global_batch": 8, "seq_len": 16, "activation_bytes": 2, "plain_loss": True}
+    job = {"global_batch": 8, "seq_len": 16, "activation_bytes": 2}
     one = estimate(Candidate(1, 4, 1, 1, "none", "none", 2), _costs(), model, job, gpu)
     [rank] = one["ranks"]
-    # state / (4 / 2); 2 sequences of activation per layer; rest: 7 per sequence (the plain
-    # loss's logits) + 3
+    # state / (4 / 2); 2 sequences of activation per layer; rest: 7 per sequence + 3
     assert rank["peak_bytes"] == int((4 * 100 + 40) / 2 + 4 * 1000 * 2 + 7 * 2 + 3)
     assert rank["flops"] == (4 * 10 + 5) * 2 * 1  # 8 / 4 ranks / 2 per micro-batch = 1
     assert rank["comm"]["dp_shard"] == {"all_gather": 4 * 50, "reduce_scatter": 4 * 80}
@@ -59,10 +59,16 @@ def test_estimate_adds_up_state_activations_and_deferred_gradients():
     assert two["ranks"][0]["peak_bytes"] == int(
         (4 * 100 + 40) / 2 + 4 * 1000 + 7 + 3 + 4 * 80 + 20)
     assert two["ranks"][0]["comm"]["dp_shard"]["all_gather"] == 2 * 4 * 50  # per micro-batch
-    # the fused loss (chunks of a fixed size): the rest does not grow with the micro-batch
-    fused = estimate(Candidate(1, 4, 1, 1, "none", "none", 2), _costs(), model,
-                     {**job, "plain_loss": False}, gpu)
-    assert one["peak_bytes"] - fused["peak_bytes"] == 7
+    # what a layer adds beyond its state and activations (its gradient, a reduction's
+    # buffers) is counted once per layer, not per sequence
+    fixed = estimate(Candidate(1, 4, 1, 1, "none", "none", 2),
+                     dataclasses.replace(_costs(), layer_fixed=30), model, job, gpu)
+    assert fixed["peak_bytes"] - one["peak_bytes"] == 4 * 30
+    # where the optimizer's step holds more (states, gradients, its temporaries: 5000 B a
+    # layer on 2 ranks, 900 B the rest), that is the peak
+    stepping = dataclasses.replace(_costs(), layer_optimizer_peak=5000, rest_optimizer_peak=900)
+    big = estimate(Candidate(1, 4, 1, 1, "none", "none", 2), stepping, model, job, gpu)
+    assert big["ranks"][0]["peak_bytes"] == int((4 * 5000 + 900) / 2)
 
 
 @pytest.mark.fast
@@ -83,14 +89,21 @@ def test_estimate_of_a_pipeline_uses_the_schedules_in_flight_micro_batches():
 def test_layer_costs_are_the_difference_of_two_depths():
     def sim(layers):
         return {"memory": {"parameters_sharded": 10 + 5 * layers, "optimizer_states": 20 +
-                           10 * layers, "parameters_unsharded": 4, "temporary": 2},
+                           10 * layers, "parameters_unsharded": 4, "temporary": 2,
+                           "activations": 40 + 150 * layers},
                 "peak_bytes": 100 + 215 * layers, "flops": 7 + 3 * layers,
-                "comm": {"tp": {"all_reduce": 9 + 6 * layers}}}
-    c = layer_costs(2, "full", sim(2), sim(3))
-    assert (c.layer_state, c.layer_activation, c.layer_flops) == (15, 200, 3)
+                "comm": {"tp": {"all_reduce": 9 + 6 * layers}},
+                "optimizer_peak_bytes": 50 + 40 * layers}
+    assert PROBE_DEPTHS == (4, 5)
+    wide = sim(4)
+    wide["peak_bytes"] += 4 * 150 + 11  # (a second sequence: its activations, 11 B of rest)
+    c = layer_costs(2, "full", sim(4), sim(5), wide)
+    assert (c.layer_state, c.layer_activation, c.layer_flops) == (15, 150, 3)
+    assert c.layer_fixed == 50  # (the peak's growth beyond state and activations)
     assert (c.rest_state, c.rest_flops) == (30, 7)
-    assert c.rest_peak + c.rest_fixed == 100 - 30 and c.rest_fixed == 6
+    assert c.rest_peak + c.rest_fixed == 100 - 30 and c.rest_peak == 11
     assert c.layer_comm == {"tp": {"all_reduce": 6}} and c.rest_comm == {"tp": {"all_reduce": 9}}
+    assert (c.layer_optimizer_peak, c.rest_optimizer_peak) == (40, 50)
     over = probe_overrides(["model=llama_tiny", "mesh.tp_size=8", "pipeline=1f1b",
                             "parallelism=ddp", "data=synthetic"], 2, "none", 3, 64)
     assert "mesh.tp_size=8" not in over and "pipeline=none" in over
@@ -119,3 +132,33 @@ def test_a_search_prints_commands_and_its_best_layout_planned_in_full_matches(tm
     best = result["best_planned"]
     assert best["peak_bytes"] == pytest.approx(best["estimated_peak_bytes"], rel=0.10)
     assert best["step_time_s"] == pytest.approx(best["estimated_step_time_s"], rel=0.10)
+
+
+@pytest.mark.fast
+def test_search_refuses_the_layout_it_chooses_and_takes_any_batch():
+    from automodel.config.build import ConfigError
+    from automodel.planning.search import resolve_for_search
+
+    with pytest.raises(ConfigError, match=r"mesh\.tp_size=8 pipeline=1f1b sets part of it"):
+        resolve_for_search(["model=llama_tiny", "mesh.tp_size=8", "pipeline=1f1b"])
+    # the job's own settings resolve as one rank: a batch that the default layout of the
+    # GPUs would not divide is the search's to match (its candidates divide it)
+    cfg = resolve_for_search(["model=llama_tiny", "trainer.global_batch_size=6"])
+    assert cfg.layout.world_size == 1 and cfg.trainer.global_batch_size == 6
+
+
+@pytest.mark.fast
+def test_the_fastest_estimates_are_planned_in_full_until_one_fits(monkeypatch):
+    import automodel.planning.search as search
+
+    fits = {"a": False, "b": True, "c": True}
+    monkeypatch.setattr(search, "_confirm", lambda base, e, gpu, cfg: {
+        "fits": fits[e["id"]], "peak_bytes": 90 * 2**30})
+    fitting = [{"id": k} for k in "abc"]
+    refused, best = search._confirm_fastest([], fitting, None, None)
+    assert [e["id"] for e in refused] == ["a"] and best["id"] == "b"
+    assert "planned" not in fitting[2]  # (planned only until one fits)
+    refused[0].update(peak_bytes=70 * 2**30, command="python train.py X")
+    text = search.search_summary({"searched": 3, "gpus": 8, "gpu": {"name": "h100_80gb"},
+                                  "fitting": 3, "top": [], "refused_in_full": refused})
+    assert "left out: estimated 70.0 GiB, planned in full 90.0 GiB" in text
