@@ -97,31 +97,39 @@ def memory_tracker(roots: list, optimizers: list, host_params: list = ()):
 
 @functools.cache
 def _tracker_class():
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class StepMemTracker(_lean_dispatch(), _step_peaks(), _host_memory(), MemTracker):
+        def _pre_fw_hook(self, module, inputs):
+            if module in self.memory_tracking and not self._mod_tracker.is_bw:
+                del self.memory_tracking[module]  # (a new run of it: fresh module stats)
+            return super()._pre_fw_hook(module, inputs)
+
+        def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
+            # torch's registers a gradient hook on every parameter, which a frozen one
+            # (``model.freeze``) refuses: a frozen parameter gets no gradient, so it is
+            # entered as hooked already (with handles that remove nothing)
+            for p in module.parameters():
+                if not p.requires_grad and p not in self._param_to_grad_hook_handles:
+                    self._param_to_grad_hook_handles[p] = (_NoHook(), _NoHook())
+            return super()._track_module_params_and_buffers(module, install_grad_hooks)
+
+    return StepMemTracker
+
+
+def _lean_dispatch():
+    """torch's operator hook of the tracker, leaner (the planner's most frequent frame: it
+    ran a third of a simulation's time): the outputs walked without a pytree, the peak taken
+    where memory grows (``_step_peaks``) instead of after every operator."""
     import torch
     from torch._guards import active_fake_mode
-    from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
+    from torch.distributed._tools.mem_tracker import _MemRefType
     from torch.distributed.tensor import DTensor
 
     wait_tensor = torch.ops._c10d_functional.wait_tensor.default
 
-    class StepMemTracker(_host_memory(), MemTracker):
-        # each memory's peak while the optimizer steps (its states, the gradients and its
-        # temporaries: a peak of its own, which the search's probes measure apart)
-        optimizer_peak: dict
-
-        def __init__(self):
-            super().__init__()
-            self.optimizer_peak = {}
-
-        def __enter__(self):
-            if self._depth == 0:  # (a new measurement, as torch's resets its peaks)
-                self.optimizer_peak = {}
-            return super().__enter__()
-
+    class LeanDispatch:
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            # torch's, leaner (the planner's most frequent frame: it ran a third of a
-            # simulation's time): the outputs walked without a pytree, and the peak taken
-            # where memory grows (``_update_snap``) instead of after every operator
             if DTensor in types:
                 return NotImplemented  # (DTensor first turns it into operators on shards)
             if func is wait_tensor and active_fake_mode():
@@ -140,19 +148,26 @@ def _tracker_class():
                 self._track(reftype, t)
             return res
 
-        def _pre_fw_hook(self, module, inputs):
-            if module in self.memory_tracking and not self._mod_tracker.is_bw:
-                del self.memory_tracking[module]  # (a new run of it: fresh module stats)
-            return super()._pre_fw_hook(module, inputs)
+    return LeanDispatch
 
-        def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
-            # torch's registers a gradient hook on every parameter, which a frozen one
-            # (``model.freeze``) refuses: a frozen parameter gets no gradient, so it is
-            # entered as hooked already (with handles that remove nothing)
-            for p in module.parameters():
-                if not p.requires_grad and p not in self._param_to_grad_hook_handles:
-                    self._param_to_grad_hook_handles[p] = (_NoHook(), _NoHook())
-            return super()._track_module_params_and_buffers(module, install_grad_hooks)
+
+def _step_peaks():
+    """The whole rank's peak, taken whenever memory grows, and a second one while the
+    optimizer steps (its states, the gradients and its temporaries: a peak of its own, which
+    the search's probes measure apart)."""
+    from torch.distributed._tools.mem_tracker import _TOTAL_KEY, _UpdateType
+
+    class StepPeaks:
+        optimizer_peak: dict
+
+        def __init__(self):
+            super().__init__()
+            self.optimizer_peak = {}
+
+        def __enter__(self):
+            if self._depth == 0:  # (a new measurement, as torch's resets its peaks)
+                self.optimizer_peak = {}
+            return super().__enter__()
 
         def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None):
             super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
@@ -160,8 +175,8 @@ def _tracker_class():
                 self._update_peak_stats(None)
 
         def _update_peak_stats(self, peak_state):
-            # the whole rank's peak only: torch's also walks every module's statistics on
-            # every operator (most of a large model's planning time), which are not used
+            # torch's also walks every module's statistics (most of a large model's planning
+            # time), which the planner does not use
             for dev, snap in self._curr_mem_snap.items():
                 if self._peak_mem.get(dev, 0) < snap[_TOTAL_KEY]:
                     self._peak_mem[dev] = snap[_TOTAL_KEY]
@@ -170,9 +185,7 @@ def _tracker_class():
                     self.optimizer_peak[dev] = snap[_TOTAL_KEY]
             self._update_combined_peak()
 
-    from torch.distributed._tools.mem_tracker import _UpdateType
-
-    return StepMemTracker
+    return StepPeaks
 
 
 def _tensors(out) -> list:
