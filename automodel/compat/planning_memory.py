@@ -8,6 +8,7 @@ import contextlib
 import functools
 import inspect
 import threading
+import weakref
 
 from automodel.compat.core import Internal
 
@@ -100,10 +101,32 @@ def _tracker_class():
     from torch.distributed._tools.mem_tracker import MemTracker
 
     class StepMemTracker(_lean_dispatch(), _step_peaks(), _host_memory(), MemTracker):
+        # torch's module hooks, without their statistics per module and call (copies of the
+        # whole memory's state, not used): what they do for the count is kept: a module's
+        # parameters and buffers known from its first call, its inputs and outputs counted
+        # as activations, the region recomputed by activation checkpointing told apart. A
+        # module may run several times per step (accumulation, pipeline micro-batches).
         def _pre_fw_hook(self, module, inputs):
-            if module in self.memory_tracking and not self._mod_tracker.is_bw:
-                del self.memory_tracking[module]  # (a new run of it: fresh module stats)
-            return super()._pre_fw_hook(module, inputs)
+            if not self._mod_tracker.is_bw:  # (each run: FSDP2 gathers parameters anew)
+                self._track_module_params_and_buffers(module, install_grad_hooks=True)
+                self.memory_tracking[module] = None
+                self._track_inputs_or_outputs(inputs)
+            elif self._ac_mod is None:  # (a forward in backward: a recomputation)
+                self._ac_mod = weakref.ref(module)
+                self._in_ac = True
+
+        def _post_fw_hook(self, module, inputs, outputs):
+            if not self._mod_tracker.is_bw:
+                self._track_inputs_or_outputs(outputs)
+            elif self._ac_mod is not None and self._ac_mod() is module:
+                self._ac_mod = None
+                self._in_ac = False
+
+        def _pre_bw_hook(self, module, args):
+            pass
+
+        def _post_bw_hook(self, module, args):
+            pass
 
         def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
             # torch's registers a gradient hook on every parameter, which a frozen one
