@@ -103,13 +103,13 @@ def _tracker_class():
     class StepMemTracker(_lean_dispatch(), _step_peaks(), _host_memory(), MemTracker):
         # torch's module hooks, without their statistics per module and call (copies of the
         # whole memory's state, not used): what they do for the count is kept: a module's
-        # parameters and buffers known from its first call, its inputs and outputs counted
-        # as activations, the region recomputed by activation checkpointing told apart. A
-        # module may run several times per step (accumulation, pipeline micro-batches).
+        # parameters and buffers known at each of its forward runs (FSDP2 gathers them anew),
+        # its inputs and outputs counted as activations, the region recomputed by activation
+        # checkpointing told apart. A module may run several times per step (accumulation,
+        # pipeline micro-batches).
         def _pre_fw_hook(self, module, inputs):
-            if not self._mod_tracker.is_bw:  # (each run: FSDP2 gathers parameters anew)
+            if not self._mod_tracker.is_bw:
                 self._track_module_params_and_buffers(module, install_grad_hooks=True)
-                self.memory_tracking[module] = None
                 self._track_inputs_or_outputs(inputs)
             elif self._ac_mod is None:  # (a forward in backward: a recomputation)
                 self._ac_mod = weakref.ref(module)

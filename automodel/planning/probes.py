@@ -17,6 +17,9 @@ from dataclasses import dataclass, field
 
 from automodel.planning.depth import SHALLOW as PROBE_DEPTHS  # (why these depths: there)
 
+# the layout keys of a job that the search chooses (and each probe sets for itself)
+LAYOUT_KEYS = ("mesh.", "pipeline", "parallelism.activation_checkpointing",
+               "parallelism.sequence_parallel", "trainer.local_batch_size")
 PROBE_DP = 2  # FSDP2 ranks of a probe (its collectives appear; sharded state is / 2)
 STATE = ("parameters_sharded", "optimizer_states")  # kept between steps, sharded by FSDP
 
@@ -57,9 +60,8 @@ def probe_overrides(base: list[str], tp: int, ac: str, depth: int, seq_len: int,
     """train.py overrides of one probe: the job's own (model, data, precision, ...) without
     what the probe sets. ``replicated``: HSDP, 2 replicas of the ``PROBE_DP`` shards (what
     the replicas' reduction holds and sends, per layer)."""
-    owned = ("mesh.", "pipeline", "plan.", "parallelism.activation_checkpointing",
-             "parallelism.sequence_parallel", "trainer.global_batch_size",
-             "trainer.local_batch_size", "model.config.num_hidden_layers", "parallelism=")
+    owned = (*LAYOUT_KEYS, "plan.", "trainer.global_batch_size",
+             "model.config.num_hidden_layers", "parallelism=")
     from automodel.planning.cli import without_keys
 
     kept = without_keys(base, owned)
@@ -83,6 +85,7 @@ def layer_costs(tp: int, ac: str, shallow: dict, deep: dict, wider: dict,
     d_state = state(deep) - state(shallow)
     d_peak = deep["peak_bytes"] - shallow["peak_bytes"]
     d_flops = deep["flops"] - shallow["flops"]
+    d_opt = deep["optimizer_peak_bytes"] - shallow["optimizer_peak_bytes"]
     n = PROBE_DEPTHS[0]
     growth = max(0.0, d_peak - d_state)  # one layer's share of the peak beyond its state:
     # what it keeps per sequence (the tracker's activations) and what it does not (its
@@ -100,9 +103,8 @@ def layer_costs(tp: int, ac: str, shallow: dict, deep: dict, wider: dict,
         rest_flops=shallow["flops"] - n * d_flops,
         rest_comm=_comm_delta(_scaled(_comm_delta(shallow["comm"], deep["comm"]), n),
                               shallow["comm"]),
-        layer_optimizer_peak=deep["optimizer_peak_bytes"] - shallow["optimizer_peak_bytes"],
-        rest_optimizer_peak=shallow["optimizer_peak_bytes"] - n * (
-            deep["optimizer_peak_bytes"] - shallow["optimizer_peak_bytes"]))
+        layer_optimizer_peak=d_opt,
+        rest_optimizer_peak=shallow["optimizer_peak_bytes"] - n * d_opt)
 
 
 def _comm_delta(a: dict, b: dict) -> dict:

@@ -24,7 +24,7 @@ from automodel.config.layout import Layout
 from automodel.config.pipeline_layout import stage_layer_ranges
 from automodel.planning import cost
 from automodel.planning.gpus import GiB, GpuProfile
-from automodel.planning.probes import ac_value
+from automodel.planning.probes import LAYOUT_KEYS, ac_value
 
 AC_MODES = ("none", "selective", "full")
 MICRO_BATCHES = (1, 2, 4)
@@ -201,18 +201,13 @@ def model_facts(cfg) -> dict:
             "embed_share": 1.0 if tied else 0.5, "head_share": 1.0 if tied else 0.5}
 
 
-# the keys the search chooses (a job's own value is refused: the search would drop it)
-SEARCHED = ("mesh.", "pipeline", "parallelism.activation_checkpointing",
-            "parallelism.sequence_parallel", "trainer.local_batch_size")
-
-
 def resolve_for_search(overrides: list[str]):
     """The job's own settings (model, data, precision, batch, ...) resolved as one rank: its
     layout is what the search chooses, so none may be given."""
     from automodel.config.build import ConfigError
     from automodel.planning.cli import without_keys
 
-    given = [o for o in overrides if o not in without_keys(overrides, SEARCHED)]
+    given = [o for o in overrides if o not in without_keys(overrides, LAYOUT_KEYS)]
     if given:
         raise ConfigError(f"plan.search=true chooses the layout itself, but {' '.join(given)} "
                           "sets part of it: drop it (or plan that layout without "
@@ -223,7 +218,7 @@ def resolve_for_search(overrides: list[str]):
 def _base_overrides(cfg) -> list[str]:
     from automodel.planning.cli import without_keys
 
-    return without_keys(cfg.overrides, ("plan.", *SEARCHED))
+    return without_keys(cfg.overrides, ("plan.", *LAYOUT_KEYS))
 
 
 def _resolve(overrides: list[str]):
@@ -259,7 +254,7 @@ def run_search(train, gpu: GpuProfile, plan_cfg, out: str) -> list[dict]:
     fitting = [e for e in ranked if e["fits"]]
     base = _base_overrides(train)
     refused, best = _confirm_fastest(base, fitting, gpu, plan_cfg)
-    top = [e for e in fitting if e not in refused][:plan_cfg.top]
+    top = [e for e in fitting if all(e is not r for r in refused)][:plan_cfg.top]
     for e in top + refused:
         e["command"] = " ".join(["python train.py", *base, *e["overrides"]])
     result = {"gpus": plan_cfg.gpus, "gpu": gpu.as_dict(), "searched": len(found),

@@ -178,7 +178,6 @@ def _measure(job: _Job, micro, rank: int, axis_of: dict) -> RankSimulation:
              for p in host_params]
     with tracker:
         _make_optimizer_states(job)
-    tracker.reset_mod_stats()
     counter, flops = CommCounter(axis_of), FlopCounter()
     with tracker, StepCounters(flops, counter):
         job.step(micro)
