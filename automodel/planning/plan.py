@@ -71,14 +71,16 @@ def simulate_classes(cfg: TrainConfig, classes: list[RankClass],
 
 def simulate_configs(configs: list, ranks: list[int], workers: int | None = None,
                      names: list[str] | None = None) -> list[dict]:
-    """``simulate_rank(configs[i], ranks[i])`` for every i, each in a fresh process (a second
-    simulation in one process counts fewer FLOPs: torch keeps state across them). A failure
-    raises ``SimulationError`` naming the task (``names[i]``, else its rank) and its layout,
-    with the worker's exception (a ``ConfigError`` stays one)."""
+    """``simulate_rank(configs[i], ranks[i])`` for every i, each in a fresh process (torch
+    keeps state across simulations in one process: meshes equal to an earlier one's, with
+    its destroyed process groups). A failure raises ``SimulationError`` naming the task
+    (``names[i]``, else its rank) and its layout, with the worker's exception (a
+    ``ConfigError`` stays one)."""
     workers = min(len(configs), workers or os.cpu_count() or 1)
     from automodel.launch import forkserver
 
-    context = forkserver.context()  # (forked from a server that imported torch once)
+    # (forked from a server that imported torch, the planner and the model's code once)
+    context = forkserver.context(simulation_preload(configs[0]))
     with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context,
                                                 max_tasks_per_child=1) as pool:
         futures = [pool.submit(_simulate, c, r) for c, r in zip(configs, ranks)]
@@ -96,6 +98,22 @@ def simulate_configs(configs: list, ranks: list[int], workers: int | None = None
                     f"the simulation of {name} (rank {ranks[i]}) failed, layout "
                     f"{layout_text(configs[i])}:\n{err}") from None
         return out
+
+
+# what every simulation imports beyond forkserver.PRELOAD (a second of CPU per worker)
+SIMULATION_PRELOAD = ("automodel.planning.simulate", "torch.distributed.fsdp",
+                      "torch.distributed.tensor", "torch.distributed._tools.mem_tracker",
+                      "torch.distributed._tools.fake_collectives")
+
+
+def simulation_preload(cfg: TrainConfig) -> tuple:
+    """``SIMULATION_PRELOAD`` and the model's transformers modeling module."""
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+
+    from automodel.models.builder import hf_config
+
+    name = model_type_to_module_name(hf_config(cfg.model).model_type)
+    return (*SIMULATION_PRELOAD, f"transformers.models.{name}.modeling_{name}")
 
 
 def _simulate(cfg: TrainConfig, rank: int) -> dict:

@@ -3,7 +3,8 @@ activation-checkpointing mode, from which the search estimates any layout in mic
 
 A probe is the planner's own simulation (``simulate.py``) of a short copy of the model (its
 configuration with 4, then 5 decoder layers: past the edge effects, ``depth.py``) on 2 FSDP2
-ranks x ``tp``, one micro-batch of one sequence of the job's length, no pipeline. What changes
+ranks (more where expert parallelism needs them) x ``cp`` x ``tp``, with ``ep`` expert ranks,
+one micro-batch of one sequence of the job's length, no pipeline. What changes
 between the two depths is one layer's cost: its parameters, gradients and optimizer states; its
 activations at the peak; its FLOPs; its collectives. What does not is the rest (embedding,
 head, loss, the temporaries of the step). Layers of one model are alike, so a rank holding
@@ -13,6 +14,8 @@ holds them).
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass, field
 
 from automodel.planning.depth import SHALLOW as PROBE_DEPTHS  # (why these depths: there)
@@ -24,10 +27,40 @@ PROBE_DP = 2  # FSDP2 ranks of a probe (its collectives appear; sharded state is
 STATE = ("parameters_sharded", "optimizer_states")  # kept between steps, sharded by FSDP
 
 
+@dataclass(frozen=True, order=True)
+class ProbeKey:
+    """What a probe simulates: the degrees that change a layer's shapes and traffic (``tp``,
+    ``cp``, ``ep``, sequence parallelism), the checkpointing mode, and HSDP (``replicated``:
+    2 replicas of the FSDP ranks)."""
+
+    tp: int
+    ac: str
+    replicated: bool = False
+    cp: int = 1
+    ep: int = 1
+    sp: bool = True  # sequence parallelism where tp > 1 (off for mixture-of-experts models)
+
+    @property
+    def dp(self) -> int:
+        """The probe's FSDP ranks: ``PROBE_DP``, or the fewest above it that make the stage's
+        dp x cp x tp ranks two or more multiples of ``ep`` (so that the experts, too, are
+        sharded by FSDP, over ``ep_shard``)."""
+        unit = self.ep // math.gcd(self.ep, self.cp * self.tp)
+        least = max(PROBE_DP, -(-2 * self.ep // (self.cp * self.tp)))
+        return unit * -(-least // unit)
+
+    @property
+    def name(self) -> str:
+        parts = [f"tp{self.tp}", *(f"{k}{v}" for k, v in (("cp", self.cp), ("ep", self.ep))
+                                   if v > 1), self.ac]
+        return "_".join(parts) + ("_hsdp" if self.replicated else "")
+
+
 @dataclass
 class LayerCosts:
     """One probe's result: per decoder layer (``layer_*``) and the rest (``rest_*``), for
-    one sequence per micro-batch on ``tp`` ranks with FSDP over ``PROBE_DP``."""
+    one sequence per micro-batch on ``tp`` x ``cp`` ranks with FSDP over ``dp`` (x 2
+    replicas where ``replicated``)."""
 
     tp: int
     ac: str
@@ -48,6 +81,14 @@ class LayerCosts:
     rest_optimizer_peak: float = 0.0
     replicated: bool = False  # HSDP: 2 replicas of the sharded ranks
     layer_fixed: float = 0.0  # the rest of one layer's share of the peak (not per sequence)
+    dp: int = PROBE_DP  # the probe's FSDP ranks (per replica)
+    cp: int = 1
+    ep: int = 1
+    # HSDP with expert parallelism: of layer_state (and layer_optimizer_peak), the experts'
+    # part, sharded over every data-parallel rank, replicas included (the rest is sharded
+    # within a replica); 0 elsewhere (where both are sharded alike)
+    layer_expert_state: float = 0.0
+    layer_expert_optimizer_peak: float = 0.0
 
 
 def ac_value(mode: str) -> str:
@@ -55,28 +96,27 @@ def ac_value(mode: str) -> str:
     return "false" if mode == "none" else mode
 
 
-def probe_overrides(base: list[str], tp: int, ac: str, depth: int, seq_len: int,
-                    replicated: bool = False, sequences: int = 1) -> list[str]:
+def probe_overrides(base: list[str], key: ProbeKey, depth: int, seq_len: int,
+                    sequences: int = 1) -> list[str]:
     """train.py overrides of one probe: the job's own (model, data, precision, ...) without
-    what the probe sets. ``replicated``: HSDP, 2 replicas of the ``PROBE_DP`` shards (what
-    the replicas' reduction holds and sends, per layer)."""
+    what the probe sets."""
     owned = (*LAYOUT_KEYS, "plan.", "trainer.global_batch_size",
              "model.config.num_hidden_layers", "parallelism=")
     from automodel.planning.cli import without_keys
 
     kept = without_keys(base, owned)
-    dp = PROBE_DP * (2 if replicated else 1)
-    hsdp = ["mesh.dp_replicate_size=2"] if replicated else []
-    return [*kept, "parallelism=fsdp2", "pipeline=none", f"mesh.dp_size={dp}", *hsdp,
-            f"mesh.tp_size={tp}", f"parallelism.activation_checkpointing={ac_value(ac)}",
-            f"parallelism.sequence_parallel={str(tp > 1).lower()}",
+    dp = key.dp * (2 if key.replicated else 1)
+    extra = ["mesh.dp_replicate_size=2"] if key.replicated else []
+    extra += [f"mesh.{k}_size={v}" for k, v in (("cp", key.cp), ("ep", key.ep)) if v > 1]
+    return [*kept, "parallelism=fsdp2", "pipeline=none", f"mesh.dp_size={dp}", *extra,
+            f"mesh.tp_size={key.tp}", f"parallelism.activation_checkpointing={ac_value(key.ac)}",
+            f"parallelism.sequence_parallel={str(key.tp > 1 and key.sp).lower()}",
             f"trainer.global_batch_size={dp * sequences}",
             f"trainer.local_batch_size={sequences}",
             f"trainer.seq_len={seq_len}", f"++model.config.num_hidden_layers={depth}"]
 
 
-def layer_costs(tp: int, ac: str, shallow: dict, deep: dict, wider: dict,
-                replicated: bool = False) -> LayerCosts:
+def layer_costs(key: ProbeKey, shallow: dict, deep: dict, wider: dict) -> LayerCosts:
     """From the simulations (``as_dict``) at the two depths, and of the shallow one with two
     sequences per micro-batch (``wider``: what the rest holds per sequence)."""
     def state(sim):
@@ -95,7 +135,8 @@ def layer_costs(tp: int, ac: str, shallow: dict, deep: dict, wider: dict,
     rest = shallow["peak_bytes"] - state(shallow) - n * growth
     per_sequence = min(rest, max(0.0, wider["peak_bytes"] - shallow["peak_bytes"] - n * d_act))
     return LayerCosts(
-        tp, ac, replicated=replicated, layer_state=d_state, layer_activation=d_act,
+        key.tp, key.ac, replicated=key.replicated, dp=key.dp, cp=key.cp, ep=key.ep,
+        layer_state=d_state, layer_activation=d_act,
         layer_fixed=growth - d_act, layer_flops=d_flops,
         layer_comm=_comm_delta(shallow["comm"], deep["comm"]),
         rest_state=state(shallow) - n * d_state,
@@ -121,18 +162,44 @@ def _scaled(comm: dict, factor: float) -> dict:
     return {axis: {k: v * factor for k, v in kinds.items()} for axis, kinds in comm.items()}
 
 
-def run_probes(cfg, keys: list[tuple[int, str, bool]], resolve_overrides,
-               workers=None) -> dict:
-    """``{(tp, ac, replicated): LayerCosts}``: each key simulated at both depths, in
-    parallel. ``resolve_overrides(overrides) -> TrainConfig`` resolves a probe's config as
-    plan.py does."""
+def run_probes(cfg, keys: list[ProbeKey], resolve_overrides, workers=None) -> dict:
+    """``{key: LayerCosts}``: each key simulated at both depths (and the shallow one with two
+    sequences), in parallel. ``resolve_overrides(overrides) -> TrainConfig`` resolves a
+    probe's config as plan.py does. HSDP keys with expert parallelism are probed beside their
+    unreplicated twin: the two tell the experts' state (sharded over the replicas too) from
+    the rest (sharded within a replica)."""
     from automodel.planning.plan import simulate_configs
 
+    keys = sorted({*keys, *(_twin(k) for k in keys if _split_experts(k))})
     runs = [(PROBE_DEPTHS[0], 1), (PROBE_DEPTHS[1], 1), (PROBE_DEPTHS[0], 2)]
-    configs = [resolve_overrides(probe_overrides(cfg.overrides, tp, ac, depth,
-                                                 cfg.trainer.seq_len, replicated, sequences))
-               for tp, ac, replicated in keys for depth, sequences in runs]
-    sims = simulate_configs(configs, [0] * len(configs), workers)
+    configs = [resolve_overrides(probe_overrides(cfg.overrides, key, depth,
+                                                 cfg.trainer.seq_len, sequences))
+               for key in keys for depth, sequences in runs]
+    sims = simulate_configs(configs, [0] * len(configs), workers,
+                            names=[f"probe {key.name} ({depth} layers, {sequences} per micro-batch)"
+                                   for key in keys for depth, sequences in runs])
     k = len(runs)
-    return {key: layer_costs(key[0], key[1], *sims[k * i:k * i + k], key[2])
-            for i, key in enumerate(keys)}
+    costs = {key: layer_costs(key, *sims[k * i:k * i + k]) for i, key in enumerate(keys)}
+    for key in filter(_split_experts, keys):
+        costs[key] = experts_apart(costs[key], costs[_twin(key)])
+    return costs
+
+
+def _split_experts(key: ProbeKey) -> bool:
+    return key.replicated and key.ep > 1
+
+
+def _twin(key: ProbeKey) -> ProbeKey:
+    return dataclasses.replace(key, replicated=False)
+
+
+def experts_apart(replicated: LayerCosts, twin: LayerCosts) -> LayerCosts:
+    """``replicated`` with its experts' part of the layer's state: the replicated probe has
+    twice the data-parallel ranks of its ``twin``, over which the experts are sharded, and
+    the same shards of the rest, so the difference of the two is half the twin's experts,
+    which is the replicated probe's own."""
+    return dataclasses.replace(
+        replicated,
+        layer_expert_state=max(0.0, twin.layer_state - replicated.layer_state),
+        layer_expert_optimizer_peak=max(0.0, twin.layer_optimizer_peak
+                                        - replicated.layer_optimizer_peak))

@@ -1,14 +1,12 @@
 """``plan.search=true``: the layouts of ``plan.gpus`` GPUs that fit, fastest first.
 
-1. Enumerate: dp_replicate x dp_shard x tp x pp (tp within a node and dividing the attention
-   heads; HSDP replicas of whole nodes), the schedule (1F1B or interleaved with 2 stages per
-   rank), activation checkpointing (none, selective, full) and the micro-batch size (1, 2, 4
-   sequences) at the job's global batch. (Context and expert parallelism are not searched:
-   plan such layouts one by one.)
-2. Estimate each from probes (``probes.py``: one layer's simulated costs per tp and
+1. Enumerate (``candidates.py``): dp_replicate x dp_shard x tp x cp x pp x ep, the schedule,
+   activation checkpointing and the micro-batch size at the job's global batch.
+2. Estimate each from probes (``probes.py``: one layer's simulated costs per tp, cp, ep and
    checkpointing mode) and the schedule's own timeline (its bubble, the micro-batches each
-   stage holds): memory per pipeline rank, bytes per axis, FLOPs, then the cost model.
-3. Drop what does not fit, rank by step time, and plan the best one in full (``make_plan``: the
+   stage holds): memory per pipeline rank, bytes per axis, FLOPs, then the cost model. Keys
+   whose layouts cannot rank among the fastest are never probed (``prune.py``).
+3. Drop what does not fit, rank by step time, and plan the fastest in full (``make_plan``: the
    real simulation) to confirm it.
 """
 
@@ -17,80 +15,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import os
-from dataclasses import dataclass
 
-from automodel.config.layout import Layout
 from automodel.config.pipeline_layout import stage_layer_ranges
 from automodel.planning import cost
+from automodel.planning.candidates import Candidate, candidates
 from automodel.planning.gpus import GiB, GpuProfile
-from automodel.planning.probes import LAYOUT_KEYS, ac_value
-
-AC_MODES = ("none", "selective", "full")
-MICRO_BATCHES = (1, 2, 4)
-
-
-@dataclass(frozen=True)
-class Candidate:
-    dp_replicate: int
-    dp_shard: int
-    tp: int
-    pp: int
-    schedule: str  # none | 1f1b | interleaved
-    ac: str
-    mbs: int  # sequences per micro-batch
-
-    @property
-    def probe(self) -> tuple[int, str, bool]:
-        """The probe it is estimated from (``probes.run_probes``' key)."""
-        return self.tp, self.ac, self.dp_replicate > 1
-
-    @property
-    def layout(self) -> Layout:
-        return Layout(pp=self.pp, dp_replicate=self.dp_replicate, dp_shard=self.dp_shard,
-                      tp=self.tp)
-
-    def overrides(self) -> list[str]:
-        out = [f"mesh.dp_size={self.dp_replicate * self.dp_shard}", f"mesh.tp_size={self.tp}",
-               f"parallelism.activation_checkpointing={ac_value(self.ac)}"]
-        out += [f"mesh.dp_replicate_size={self.dp_replicate}"] if self.dp_replicate > 1 else []
-        out += ["parallelism.sequence_parallel=true"] if self.tp > 1 else []
-        if self.pp > 1:
-            return out + [f"pipeline={self.schedule}", f"mesh.pp_size={self.pp}",
-                          f"pipeline.pp_microbatch_size={self.mbs}"]
-        return out + ["pipeline=none", f"trainer.local_batch_size={self.mbs}"]
-
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def candidates(gpus: int, gpus_per_node: int, heads: int, kv_heads: int, layers: int,
-               global_batch: int) -> list[Candidate]:
-    out = []
-    for tp in [t for t in divisors(gpus_per_node) if heads % t == 0 and kv_heads % t == 0]:
-        for pp in [p for p in divisors(gpus // tp) if p <= layers]:
-            dp = gpus // (tp * pp)
-            if global_batch % dp:
-                continue
-            for replicate in _replicas(dp, tp, pp, gpus_per_node):
-                for schedule in (("1f1b", "interleaved") if pp > 1 else ("none",)):
-                    if schedule == "interleaved" and layers < 2 * pp:
-                        continue
-                    for mbs in MICRO_BATCHES:
-                        per_rank = global_batch // dp
-                        if per_rank % mbs or (pp > 1 and per_rank // mbs < pp):
-                            continue
-                        out += [Candidate(replicate, dp // replicate, tp, pp, schedule, ac, mbs)
-                                for ac in AC_MODES]
-    return out
-
-
-def _replicas(dp: int, tp: int, pp: int, gpus_per_node: int) -> list[int]:
-    """1 (FSDP over every data-parallel rank), and HSDP sharding within a node when that
-    splits dp (each replica a node's worth of ranks)."""
-    shard = gpus_per_node // tp if gpus_per_node % tp == 0 else 0
-    return [1] + ([dp // shard] if shard and dp % shard == 0 and 1 < shard < dp else [])
+from automodel.planning.probes import LAYOUT_KEYS
 
 
 @functools.lru_cache(maxsize=None)
@@ -138,65 +70,108 @@ def estimate(c: Candidate, costs, model: dict, job: dict, profile: GpuProfile,
 def _rank(c: Candidate, costs, model: dict, job: dict, stages, layers, held, n_stages,
           micro) -> dict:
     """One pipeline rank: its layers, what it holds at the peak, its work and its traffic."""
-    scale = 2 / c.dp_shard  # probes shard their state over 2 ranks (probes.PROBE_DP)
     n = sum(layers[s] for s in stages)
     head = n_stages - 1 in stages  # (with the loss, whose logits grow with the micro-batch)
     ends = (0 in stages) * model["embed_share"] + (n_stages - 1 in stages) * model["head_share"]
-    state = (costs.layer_state * n + costs.rest_state * (ends if c.pp > 1 else 1)) * scale
+    ends = ends if c.pp > 1 else 1
+    state = _sharded(c, costs, n, ends, costs.layer_state, costs.rest_state,
+                     costs.layer_expert_state)
     activations = costs.layer_activation * c.mbs * sum(layers[s] * held[s] for s in stages) \
         + costs.layer_fixed * n
     flops = (costs.layer_flops * n + costs.rest_flops * head) * c.mbs * micro
     comm = _rank_comm(c, costs, n, micro, head)
     if c.pp > 1:
-        p2p = c.mbs * job["seq_len"] * model["hidden"] * job["activation_bytes"] * micro
+        p2p = c.mbs * job["seq_len"] // c.cp * model["hidden"] * job["activation_bytes"] * micro
         comm["pp"] = {"send": p2p * len(stages), "recv": p2p * len(stages)}
     # the rest of the peak (the loss, the head's gradient...) is the probe's, on the rank with
     # the head: its part per sequence (measured with two) grows with the micro-batch
     rest = costs.rest_peak * c.mbs * (c.pp == 1 or head)
     peak = state + activations + costs.rest_fixed + rest
     if micro > 1:  # FSDP2 keeps unsharded gradients between micro-batches (it reduces once)
-        rs = [costs.layer_comm, costs.rest_comm]
-        layer_rs, rest_rs = (x.get("dp_shard", {}).get("reduce_scatter", 0) for x in rs)
-        peak += layer_rs * n + rest_rs * (ends if c.pp > 1 else 1)
+        layer_rs, rest_rs = (sum(kinds.get("reduce_scatter", 0) for axis, kinds in x.items()
+                                 if axis in FSDP_AXES)
+                             for x in (costs.layer_comm, costs.rest_comm))
+        peak += layer_rs * n + rest_rs * ends
     # the optimizer's step: the sharded states, gradients and the step's temporaries
-    stepping = (costs.layer_optimizer_peak * n
-                + costs.rest_optimizer_peak * (ends if c.pp > 1 else 1)) * scale
+    stepping = _sharded(c, costs, n, ends, costs.layer_optimizer_peak,
+                        costs.rest_optimizer_peak, costs.layer_expert_optimizer_peak)
     return {"stages": list(stages), "layers": n, "peak_bytes": int(max(peak, stepping)),
             "flops": flops, "comm": comm}
 
 
+def _sharded(c: Candidate, costs, n: int, ends: float, layer: float, rest: float,
+             experts: float) -> float:
+    """A probe's sharded bytes (``layer`` per layer, of which ``experts`` the experts', and
+    ``rest`` where the rank holds the embedding and head) on the candidate's ranks: FSDP
+    shards over dp_shard x cp, experts over every data-parallel rank (replicas too) x cp x
+    tp (their product is the probe's where the costs are its own; ``prune.optimistic``
+    costs are those of a probe without cp)."""
+    dense = costs.dp * costs.cp / (c.dp_shard * c.cp)
+    spread = costs.dp * (2 if costs.replicated else 1) * costs.cp / (
+        c.dp_replicate * c.dp_shard * c.cp)
+    return ((layer - experts) * n + rest * ends) * dense + experts * n * spread
+
+
+# a probe's FSDP axes -> the candidate's: parameters are sharded over dp_shard x cp (named by
+# the axes of size > 1, Layout.canonical_axis), the experts of expert parallelism over ep_shard
+FSDP_AXES = {"dp_shard": "dp_shard_cp", "dp_shard_cp": "dp_shard_cp", "ep_shard": "ep_shard"}
+# the axes whose traffic is the activations' (per layer and micro-batch): tensor, context
+# (ring and Ulysses) and expert parallelism; the probe's degrees are the candidate's
+ACTIVATION_AXES = ("tp", "cp", "cp_ring", "cp_ulysses", "ep")
+
+
 def _rank_comm(c: Candidate, costs, n: int, micro: int, head: bool) -> dict:
-    """Tensor-parallel traffic per layer and micro-batch; FSDP gathers each layer per
+    """The activations' traffic per layer and micro-batch; FSDP gathers each layer per
     micro-batch and reduce-scatters its gradients once per step; HSDP all-reduces the shards
-    across replicas."""
+    across replicas once per step."""
     comm: dict = {}
+    layout = c.layout
+
+    def add(axis: str, kind: str, b: float) -> None:
+        kinds = comm.setdefault(axis, {})
+        kinds[kind] = kinds.get(kind, 0) + b
+
     for axis, kinds in costs.layer_comm.items():
         for kind, b in kinds.items():
             rest = costs.rest_comm.get(axis, {}).get(kind, 0) * head
-            if axis == "tp":
-                comm.setdefault("tp", {})[kind] = (b * n + rest) * c.mbs * micro
-            elif kind == "all_gather" and c.dp_shard > 1:
-                comm.setdefault("dp_shard", {})[kind] = b * n * micro
-            elif kind == "reduce_scatter" and c.dp_shard > 1:
-                comm.setdefault("dp_shard", {})[kind] = b * n
-    grads = costs.layer_comm.get("dp_shard", {}).get("reduce_scatter", 0) * n
-    if c.dp_replicate > 1:
-        comm["dp_replicate"] = {"all_reduce": grads / c.dp_shard}
+            if axis in ACTIVATION_AXES:
+                add(axis, kind, (b * n + rest) * c.mbs * micro)
+            elif axis in FSDP_AXES and layout.size(FSDP_AXES[axis]) > 1:
+                target = layout.canonical_axis(FSDP_AXES[axis])
+                if kind == "all_gather":
+                    add(target, kind, b * n * micro)
+                elif kind == "reduce_scatter":
+                    add(target, kind, b * n)
+            elif axis == "dp_replicate" and kind == "all_reduce" and c.dp_replicate > 1:
+                add(axis, kind, b * n * costs.dp / c.dp_shard)  # (the shards, once)
     return comm
 
 
 def model_facts(cfg) -> dict:
-    """What the estimate needs of the model: its layers and width, its heads, and how its
-    non-layer state splits between the first stage (embedding) and the last (head)."""
+    """What the search needs of the model: its layers and width, its heads, its experts and
+    whether its attention can be split over context-parallel ranks (the checks train.py runs
+    before launch), and how its non-layer state splits between the first stage (embedding)
+    and the last (head)."""
+    from automodel.distributed import context_parallel
     from automodel.models import multimodal as mm
     from automodel.models.builder import build_meta_model
+    from automodel.models.experts import expert_modules
 
     meta = build_meta_model(cfg.model)
     text = mm.text_config(meta.config)
     tied = bool(getattr(text, "tie_word_embeddings", False))
+    experts = [m.num_experts for m in expert_modules(meta).values()
+               if isinstance(getattr(m, "num_experts", None), int)]
+    try:
+        context_parallel.check_model(meta, 2, 1, 1)
+        cp_ok = True
+    except ValueError:
+        cp_ok = False
     return {"layers": text.num_hidden_layers, "hidden": text.hidden_size,
             "heads": text.num_attention_heads,
             "kv_heads": getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
+            "moe": bool(expert_modules(meta)), "experts": math.gcd(*experts) if experts else 0,
+            "context_parallel": cp_ok,
             # untied: the embedding and the head are equal; tied: each end holds a copy
             "embed_share": 1.0 if tied else 0.5, "head_share": 1.0 if tied else 0.5}
 
@@ -234,7 +209,6 @@ def _rank_key(e: dict) -> tuple:
 
 def run_search(train, gpu: GpuProfile, plan_cfg, out: str) -> list[dict]:
     from automodel.config.build import ConfigError
-    from automodel.planning.probes import run_probes
 
     if plan_cfg.gpus is None:
         raise ConfigError("plan.search=true needs plan.gpus=<GPUs of the job>")
@@ -242,25 +216,23 @@ def run_search(train, gpu: GpuProfile, plan_cfg, out: str) -> list[dict]:
     t = train.trainer
     job = {"global_batch": t.global_batch_size, "seq_len": t.seq_len,
            "activation_bytes": 2 if train.mp_policy is not None else 4}
-    found = candidates(plan_cfg.gpus, gpu.gpus_per_node, model["heads"], model["kv_heads"],
-                       model["layers"], t.global_batch_size)
+    found = candidates(plan_cfg.gpus, gpu.gpus_per_node, model, t.global_batch_size,
+                       t.seq_len)
     if not found:
         raise ConfigError(f"no layout of {plan_cfg.gpus} GPUs takes trainer.global_batch_size="
                           f"{t.global_batch_size}: choose a batch that the data-parallel "
                           "degrees divide")
-    costs = run_probes(train, sorted({c.probe for c in found}), _resolve, plan_cfg.workers)
-    ranked = sorted((estimate(c, costs[c.probe], model, job, gpu, plan_cfg.calibration)
-                     for c in found), key=_rank_key)
-    fitting = [e for e in ranked if e["fits"]]
+    probed = _probe_and_estimate(train, found, model, job, gpu, plan_cfg)
+    fitting = sorted((e for e in probed.estimates if e["fits"]), key=_rank_key)
     base = _base_overrides(train)
     refused, best = _confirm_fastest(base, fitting, gpu, plan_cfg)
     top = [e for e in fitting if all(e is not r for r in refused)][:plan_cfg.top]
     for e in top + refused:
         e["command"] = " ".join(["python train.py", *base, *e["overrides"]])
     result = {"gpus": plan_cfg.gpus, "gpu": gpu.as_dict(), "searched": len(found),
+              "estimated": len(probed.estimates), "pruned": probed.pruned,
               "fitting": len(fitting), "top": top, "refused_in_full": refused,
-              "probes": {f"tp{tp}_{ac}{'_hsdp' * r}": dataclasses.asdict(c)
-                         for (tp, ac, r), c in costs.items()}}
+              "probes": {key.name: dataclasses.asdict(c) for key, c in probed.costs.items()}}
     if best is not None:
         result["best_planned"] = best["planned"]
     os.makedirs(out, exist_ok=True)
@@ -271,6 +243,20 @@ def run_search(train, gpu: GpuProfile, plan_cfg, out: str) -> list[dict]:
 
 
 CONFIRM_TRIES = 3  # estimates planned in full, fastest first, until one fits
+
+
+def _probe_and_estimate(train, found: list, model: dict, job: dict, gpu: GpuProfile,
+                        plan_cfg):
+    """The estimates of every layout that could rank in the top (``prune.py``): the top shown
+    and the ones the full plans may refuse before it."""
+    from automodel.planning.probes import run_probes
+    from automodel.planning.prune import probe_and_estimate
+
+    workers = plan_cfg.workers or os.cpu_count() or 1
+    return probe_and_estimate(
+        found, lambda keys: run_probes(train, keys, _resolve, plan_cfg.workers),
+        lambda c, costs: estimate(c, costs, model, job, gpu, plan_cfg.calibration),
+        keep=plan_cfg.top + CONFIRM_TRIES - 1, batch=2 * workers)
 
 
 def _confirm_fastest(base: list[str], fitting: list[dict], gpu: GpuProfile, plan_cfg):
@@ -299,12 +285,15 @@ def _confirm(base: list[str], best: dict, gpu: GpuProfile, plan_cfg) -> dict:
 
 def search_summary(result: dict) -> str:
     lines = [f"search: {result['searched']} layouts of {result['gpus']} x "
-             f"{result['gpu']['name']}, {result['fitting']} fit; the fastest:"]
+             f"{result['gpu']['name']}, {result.get('estimated', 0)} estimated from "
+             f"{len(result.get('probes', {}))} probes ({result.get('pruned', 0)} left out: "
+             f"they cannot be among the fastest), {result['fitting']} fit; the fastest:"]
     for i, e in enumerate(result["top"], 1):
         c = e["candidate"]
         lines.append(f" {i}. {e['step_time_s']:.3f} s/step, {e['tokens_per_s']:.0f} tokens/s, "
                      f"peak {e['peak_bytes'] / GiB:.1f} GiB (pp {c['pp']} {c['schedule']}, "
-                     f"dp {c['dp_replicate']}x{c['dp_shard']}, tp {c['tp']}, AC {c['ac']}, "
+                     f"dp {c['dp_replicate']}x{c['dp_shard']}, tp {c['tp']}, cp {c['cp']}, "
+                     f"ep {c['ep']}, AC {c['ac']}, "
                      f"micro-batch {c['mbs']})\n    {e['command']}")
     for e in result.get("refused_in_full", []):
         p = e["planned"]

@@ -9,17 +9,29 @@ from pathlib import Path
 
 import pytest
 
+from automodel.planning.candidates import Candidate, candidates
 from automodel.planning.gpus import profile
-from automodel.planning.probes import PROBE_DEPTHS, LayerCosts, layer_costs, probe_overrides
-from automodel.planning.search import Candidate, candidates, estimate
+from automodel.planning.probes import (
+    PROBE_DEPTHS,
+    LayerCosts,
+    ProbeKey,
+    layer_costs,
+    probe_overrides,
+)
+from automodel.planning.search import estimate
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
+DENSE = {"heads": 32, "kv_heads": 8, "layers": 32, "context_parallel": True}
+MOE = {"heads": 32, "kv_heads": 4, "layers": 48, "context_parallel": True, "moe": True,
+       "experts": 128}
+
+
 @pytest.mark.fast
 def test_candidates_keep_tp_in_a_node_divide_heads_and_batch():
-    found = candidates(64, 8, heads=32, kv_heads=8, layers=32, global_batch=256)
-    assert {c.tp for c in found} == {1, 2, 4, 8}
+    found = candidates(64, 8, {**DENSE, "context_parallel": False}, 256, seq_len=4096)
+    assert {c.tp for c in found} == {1, 2, 4, 8} and {(c.cp, c.ep) for c in found} == {(1, 1)}
     assert all(c.dp_replicate * c.dp_shard * c.tp * c.pp == 64 for c in found)
     assert all(256 % (c.dp_replicate * c.dp_shard) == 0 for c in found)
     # a pipeline needs at least pp micro-batches per step; interleaving two stages per rank
@@ -28,10 +40,65 @@ def test_candidates_keep_tp_in_a_node_divide_heads_and_batch():
         assert c.pp == 1 or micro >= c.pp
         assert (c.schedule == "none") == (c.pp == 1)
     # 6 kv heads: tp must divide them (and the node)
-    assert {c.tp for c in candidates(8, 8, 12, 6, 4, 8)} == {1, 2}
+    small = {"heads": 12, "kv_heads": 6, "layers": 4}
+    assert {c.tp for c in candidates(8, 8, small, 8, 64)} == {1, 2}
     # HSDP replicas are whole nodes: dp_shard x tp = the GPUs of a node
     assert all(c.dp_shard * c.tp == 8 for c in found if c.dp_replicate > 1)
-    assert candidates(64, 8, 32, 8, 32, global_batch=7) == []
+    assert candidates(64, 8, DENSE, global_batch=7, seq_len=4096) == []
+
+
+@pytest.mark.fast
+def test_candidates_add_context_parallelism_where_the_sequence_and_the_node_allow():
+    found = candidates(64, 8, DENSE, 256, seq_len=4096)
+    pairs = {(c.tp, c.cp) for c in found}
+    assert pairs == {(t, c) for t in (1, 2, 4, 8) for c in (1, 2, 4, 8) if t * c <= 8}
+    assert all(c.dp_replicate * c.dp_shard * c.cp * c.tp * c.pp == 64 for c in found)
+    assert all(c.dp_shard * c.cp * c.tp == 8 for c in found if c.dp_replicate > 1)
+    # 2 x cp chunks of each sequence, each split over tp under sequence parallelism: 12
+    # tokens allow cp 2 with tp 1 or 2 (6 tokens per cp rank), not with tp 4; cp 4 not at all
+    # (12 / 8); and tp 8 not even without cp (sequence parallelism)
+    short = {(c.tp, c.cp) for c in candidates(64, 8, DENSE, 256, seq_len=12)}
+    assert short == {(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)}
+    # without sequence parallelism (a mixture of experts) tp 4 x cp 2 and tp 8 are allowed
+    moe = {(c.tp, c.cp) for c in candidates(64, 8, {**DENSE, "moe": True, "experts": 8}, 256,
+                                            seq_len=12)}
+    assert {(4, 2), (8, 1)} <= moe
+    # a model whose attention cannot be split over context-parallel ranks gets no cp
+    assert {c.cp for c in candidates(64, 8, {**DENSE, "context_parallel": False}, 256,
+                                     4096)} == {1}
+    c = next(c for c in found if c.cp == 4 and c.tp == 2)
+    assert {"mesh.cp_size=4", "parallelism.sequence_parallel=true"} <= set(c.overrides())
+    assert c.layout.cp == 4 and c.probe.cp == 4
+
+
+@pytest.mark.fast
+def test_candidates_of_a_mixture_of_experts_add_expert_parallelism_without_sp():
+    found = candidates(256, 8, MOE, 256, seq_len=4096)
+    assert {c.tp for c in found} == {1, 2, 4}
+    for c in found:
+        stage = c.dp_replicate * c.dp_shard * c.cp * c.tp
+        assert 128 % c.ep == 0 and stage % c.ep == 0
+        assert not c.probe.sp and "parallelism.sequence_parallel=true" not in c.overrides()
+    assert {c.ep for c in found} == {1, 2, 4, 8, 16, 32, 64, 128}
+    assert max(c.ep for c in found if c.pp == 4) == 64  # 64 ranks per stage
+    c = next(c for c in found if c.ep == 8 and c.cp == 2)
+    assert {"mesh.ep_size=8", "mesh.cp_size=2"} <= set(c.overrides())
+    assert c.layout.ep_shard == c.dp_replicate * c.dp_shard * 2 * c.tp // 8
+
+
+@pytest.mark.fast
+def test_a_probe_has_enough_ranks_to_shard_its_experts():
+    assert ProbeKey(2, "full").dp == 2  # (FSDP over 2 ranks)
+    # ep divides dp x cp x tp, and the experts are FSDP-sharded too (ep_shard >= 2)
+    for key in (ProbeKey(1, "none", ep=8), ProbeKey(2, "none", cp=2, ep=8),
+                ProbeKey(4, "none", ep=4), ProbeKey(1, "none", True, ep=2)):
+        ranks = key.dp * key.cp * key.tp
+        assert ranks % key.ep == 0 and ranks // key.ep >= 2 and key.dp >= 2
+    assert ProbeKey(2, "full", True, cp=2, ep=8).name == "tp2_cp2_ep8_full_hsdp"
+    over = probe_overrides(["model=qwen3_moe_tiny"], ProbeKey(2, "full", True, 2, 8, False),
+                           4, 64)
+    assert {"mesh.dp_size=8", "mesh.dp_replicate_size=2", "mesh.cp_size=2", "mesh.ep_size=8",
+            "parallelism.sequence_parallel=false"} <= set(over)
 
 
 def _costs(tp=1, ac="none"):
@@ -97,7 +164,7 @@ def test_layer_costs_are_the_difference_of_two_depths():
     assert PROBE_DEPTHS == (4, 5)
     wide = sim(4)
     wide["peak_bytes"] += 4 * 150 + 11  # (a second sequence: its activations, 11 B of rest)
-    c = layer_costs(2, "full", sim(4), sim(5), wide)
+    c = layer_costs(ProbeKey(2, "full"), sim(4), sim(5), wide)
     assert (c.layer_state, c.layer_activation, c.layer_flops) == (15, 150, 3)
     assert c.layer_fixed == 50  # (the peak's growth beyond state and activations)
     assert (c.rest_state, c.rest_flops) == (30, 7)
@@ -105,7 +172,7 @@ def test_layer_costs_are_the_difference_of_two_depths():
     assert c.layer_comm == {"tp": {"all_reduce": 6}} and c.rest_comm == {"tp": {"all_reduce": 9}}
     assert (c.layer_optimizer_peak, c.rest_optimizer_peak) == (40, 50)
     over = probe_overrides(["model=llama_tiny", "mesh.tp_size=8", "pipeline=1f1b",
-                            "parallelism=ddp", "data=synthetic"], 2, "none", 3, 64)
+                            "parallelism=ddp", "data=synthetic"], ProbeKey(2, "none"), 3, 64)
     assert "mesh.tp_size=8" not in over and "pipeline=none" in over
     assert "parallelism.activation_checkpointing=false" in over and "data=synthetic" in over
     assert "++model.config.num_hidden_layers=3" in over and "parallelism=fsdp2" in over
@@ -162,3 +229,90 @@ def test_the_fastest_estimates_are_planned_in_full_until_one_fits(monkeypatch):
     text = search.search_summary({"searched": 3, "gpus": 8, "gpu": {"name": "h100_80gb"},
                                   "fitting": 3, "top": [], "refused_in_full": refused})
     assert "left out: estimated 70.0 GiB, planned in full 90.0 GiB" in text
+
+
+@pytest.mark.fast
+def test_estimate_with_cp_ep_and_hsdp_shards_state_and_names_each_axis():
+    gpu = profile("h100_80gb")
+    model = {"layers": 4, "hidden": 8, "embed_share": 0.5, "head_share": 0.5}
+    # a probe of tp 2 x cp 2 on 4 FSDP ranks, 2 replicas, ep 8: 100 B of state per layer, of
+    # which 60 B the experts'
+    costs = LayerCosts(
+        2, "none", layer_state=100, layer_activation=1000, layer_flops=10, rest_state=40,
+        dp=4, cp=2, ep=8, replicated=True, layer_expert_state=60,
+        layer_comm={"dp_shard_cp": {"all_gather": 50, "reduce_scatter": 80},
+                    "ep_shard": {"all_gather": 30, "reduce_scatter": 40},
+                    "ep": {"all_to_all": 7}, "cp_ring": {"all_gather": 5},
+                    "dp_replicate": {"all_reduce": 20}})
+    c = Candidate(4, 8, 2, 1, "none", "none", 1, cp=2, ep=8, sp=False)
+    est = estimate(c, costs, model, {"global_batch": 64, "seq_len": 16, "activation_bytes": 2},
+                   gpu)
+    [rank] = est["ranks"]  # 32 data-parallel ranks, 2 sequences each: 2 micro-batches
+    # the rest over dp_shard x cp (4 x 2 in the probe, 8 x 2 here); the experts over every
+    # data-parallel rank x cp x tp (2 x 4 x 2 x 2 in the probe, 4 x 8 x 2 x 2 here)
+    state = ((100 - 60) * 4 + 40) * (4 / 8) + 60 * 4 * (8 / 32)
+    assert rank["peak_bytes"] == int(state + 4 * 1000 + 4 * (80 + 40))
+    assert rank["comm"] == {
+        "cp_ring": {"all_gather": 5 * 4 * 2}, "ep": {"all_to_all": 7 * 4 * 2},  # per micro
+        "dp_shard_cp": {"all_gather": 50 * 4 * 2, "reduce_scatter": 80 * 4},
+        "ep_shard": {"all_gather": 30 * 4 * 2, "reduce_scatter": 40 * 4},
+        "dp_replicate": {"all_reduce": 20 * 4 * 4 / 8}}  # (shards of 8, not the probe's 4)
+    # FSDP over cp alone is named cp_ring (its traffic joins the attention's there); with
+    # ep = the stage's 8 ranks the experts are not sharded: no ep_shard traffic
+    alone = Candidate(1, 1, 2, 1, "none", "none", 1, cp=4, ep=8, sp=False)
+    four = dataclasses.replace(costs, cp=4, dp=2, replicated=False, layer_expert_state=0)
+    comm = estimate(alone, four, model, {"global_batch": 4, "seq_len": 16,
+                                         "activation_bytes": 2}, gpu)["ranks"][0]["comm"]
+    assert comm["cp_ring"] == {"all_gather": (5 + 50) * 4 * 4, "reduce_scatter": 80 * 4}
+    assert "ep_shard" not in comm and "dp_shard_cp" not in comm
+
+
+def _true_costs(key):
+    """A made-up model of each probe key's costs: per token they fall with tp x cp; cp adds its
+    own traffic and buffers, HSDP the replicas' reduction (what the pruning's optimistic
+    estimates leave out)."""
+    split = key.tp * key.cp
+    activation = {"none": 9e8, "selective": 4e8, "full": 1e8}[key.ac]
+    recompute = {"none": 1, "selective": 1.1, "full": 1.33}[key.ac]
+    fsdp = {"all_gather": 5e8 / key.tp, "reduce_scatter": 1e9 / key.tp}
+    comm = {"dp_shard_cp" if key.cp > 1 else "dp_shard": fsdp}
+    comm |= {"tp": {"all_gather": 4e8 / key.cp}} if key.tp > 1 else {}
+    comm |= {"cp_ring": {"all_gather": 3e7}} if key.cp > 1 else {}
+    comm |= {"dp_replicate": {"all_reduce": 2e8}} if key.replicated else {}
+    return LayerCosts(key.tp, key.ac, layer_state=3e8 / key.tp,
+                      layer_activation=activation / split, layer_flops=2e13 / split * recompute,
+                      layer_comm=comm, rest_state=1000 / key.tp, rest_peak=1000 / split,
+                      rest_fixed=1000, layer_fixed=1e7 * (key.cp + key.replicated),
+                      cp=key.cp, replicated=key.replicated)
+
+
+@pytest.mark.fast
+def test_pruned_search_finds_the_exhaustive_fastest_with_fewer_probes():
+    from automodel.planning.prune import probe_and_estimate
+    from automodel.planning.search import _rank_key
+
+    gpu = profile("h100_80gb")
+    model = {"layers": 4, "hidden": 4096, "embed_share": 0.5, "head_share": 0.5}
+    job = {"global_batch": 64, "seq_len": 8192, "activation_bytes": 2}
+    found = candidates(32, 8, {**DENSE, "layers": 4}, 64, seq_len=8192)
+    probed_keys = []
+
+    def probe(keys):
+        probed_keys.extend(keys)
+        return {k: _true_costs(k) for k in keys}
+
+    def est(c, costs):
+        return estimate(c, costs, model, job, gpu)
+
+    result = probe_and_estimate(found, probe, est, keep=5, batch=4)
+    exhaustive = sorted((e for e in (est(c, _true_costs(c.probe)) for c in found) if e["fits"]),
+                        key=_rank_key)
+    fast = sorted((e for e in result.estimates if e["fits"]), key=_rank_key)
+    assert [e["candidate"] for e in fast[:5]] == [e["candidate"] for e in exhaustive[:5]]
+    assert any(e["candidate"]["cp"] > 1 for e in exhaustive[:5])  # (what pruning could miss)
+    keys = {c.probe for c in found}
+    assert len(set(probed_keys)) == len(probed_keys) < len(keys) / 2
+    assert result.pruned == sum(c.probe not in result.costs for c in found) > 0
+    # the base keys (no cp, no HSDP) are all probed; some cp keys too
+    assert {k for k in keys if k.cp == 1 and not k.replicated} <= set(probed_keys)
+    assert any(k.cp > 1 for k in probed_keys)
