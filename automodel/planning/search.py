@@ -79,7 +79,7 @@ def _rank(c: Candidate, costs, model: dict, job: dict, stages, layers, held, n_s
     activations = costs.layer_activation * c.mbs * sum(layers[s] * held[s] for s in stages) \
         + costs.layer_fixed * n
     flops = (costs.layer_flops * n + costs.rest_flops * head) * c.mbs * micro
-    comm = _rank_comm(c, costs, n, micro, head)
+    comm = _rank_comm(c, costs, n, micro, head, ends)
     if c.pp > 1:
         p2p = c.mbs * job["seq_len"] // c.cp * model["hidden"] * job["activation_bytes"] * micro
         comm["pp"] = {"send": p2p * len(stages), "recv": p2p * len(stages)}
@@ -120,10 +120,11 @@ FSDP_AXES = {"dp_shard": "dp_shard_cp", "dp_shard_cp": "dp_shard_cp", "ep_shard"
 ACTIVATION_AXES = ("tp", "cp", "cp_ring", "cp_ulysses", "ep")
 
 
-def _rank_comm(c: Candidate, costs, n: int, micro: int, head: bool) -> dict:
-    """The activations' traffic per layer and micro-batch; FSDP gathers each layer per
-    micro-batch and reduce-scatters its gradients once per step; HSDP all-reduces the shards
-    across replicas once per step."""
+def _rank_comm(c: Candidate, costs, n: int, micro: int, head: bool, ends: float) -> dict:
+    """The activations' traffic per layer and micro-batch (the rest's on the rank with the
+    head); FSDP gathers per micro-batch and reduce-scatters the gradients once per step (the
+    layers', and the rest's where the rank holds the embedding or the head: ``ends``); HSDP
+    all-reduces the shards across replicas once per step."""
     comm: dict = {}
     layout = c.layout
 
@@ -131,20 +132,34 @@ def _rank_comm(c: Candidate, costs, n: int, micro: int, head: bool) -> dict:
         kinds = comm.setdefault(axis, {})
         kinds[kind] = kinds.get(kind, 0) + b
 
-    for axis, kinds in costs.layer_comm.items():
-        for kind, b in kinds.items():
-            rest = costs.rest_comm.get(axis, {}).get(kind, 0) * head
+    for axis in {*costs.layer_comm, *costs.rest_comm}:
+        layer, rest = costs.layer_comm.get(axis, {}), costs.rest_comm.get(axis, {})
+        for kind in {*layer, *rest}:
+            b, r = layer.get(kind, 0), rest.get(kind, 0)
             if axis in ACTIVATION_AXES:
-                add(axis, kind, (b * n + rest) * c.mbs * micro)
+                add(axis, kind, (b * n + r * head) * c.mbs * micro)
             elif axis in FSDP_AXES and layout.size(FSDP_AXES[axis]) > 1:
                 target = layout.canonical_axis(FSDP_AXES[axis])
-                if kind == "all_gather":
-                    add(target, kind, b * n * micro)
-                elif kind == "reduce_scatter":
-                    add(target, kind, b * n)
+                if kind == "reduce_scatter":
+                    add(target, kind, b * n + r * ends)
+                elif kind == "all_gather":
+                    add(target, kind, _gathers(b, r, n, ends, micro, c.pp > 1))
             elif axis == "dp_replicate" and kind == "all_reduce" and c.dp_replicate > 1:
-                add(axis, kind, b * n * costs.dp / c.dp_shard)  # (the shards, once)
-    return comm
+                add(axis, kind, (b * n + r * ends) * costs.dp / c.dp_shard)  # (once)
+    return {axis: {k: v for k, v in kinds.items() if v > 0} for axis, kinds in comm.items()}
+
+
+def _gathers(layer: float, rest: float, n: int, ends: float, micro: int,
+             pipelined: bool) -> float:
+    """FSDP's all-gather bytes of a step. In the probe (no pipeline) every layer but the last
+    is gathered twice a micro-batch (forward, and again for the backward: it reshards after
+    the forward), the last once, the embedding and head once: ``layer`` is two gathers, and
+    ``rest`` the ends' gather less one layer's. Under a pipeline nothing reshards after the
+    forward, and the parameters stay gathered from one micro-batch to the next: each is
+    gathered once a step."""
+    if pipelined:
+        return layer / 2 * n + (rest + layer / 2) * ends
+    return (layer * n + rest * ends) * micro
 
 
 def model_facts(cfg) -> dict:

@@ -120,7 +120,8 @@ def test_estimate_adds_up_state_activations_and_deferred_gradients():
     # state / (4 / 2); 2 sequences of activation per layer; rest: 7 per sequence + 3
     assert rank["peak_bytes"] == int((4 * 100 + 40) / 2 + 4 * 1000 * 2 + 7 * 2 + 3)
     assert rank["flops"] == (4 * 10 + 5) * 2 * 1  # 8 / 4 ranks / 2 per micro-batch = 1
-    assert rank["comm"]["dp_shard"] == {"all_gather": 4 * 50, "reduce_scatter": 4 * 80}
+    # (the rest's too: the embedding's and head's gradients, 20 B)
+    assert rank["comm"]["dp_shard"] == {"all_gather": 4 * 50, "reduce_scatter": 4 * 80 + 20}
     # micro-batch 1: 2 micro-batches, so FSDP2 keeps the unsharded gradients between them
     two = estimate(Candidate(1, 4, 1, 1, "none", "none", 1), _costs(), model, job, gpu)
     assert two["ranks"][0]["peak_bytes"] == int(
@@ -316,3 +317,44 @@ def test_pruned_search_finds_the_exhaustive_fastest_with_fewer_probes():
     # the base keys (no cp, no HSDP) are all probed; some cp keys too
     assert {k for k in keys if k.cp == 1 and not k.replicated} <= set(probed_keys)
     assert any(k.cp > 1 for k in probed_keys)
+
+
+def test_estimates_of_cp_ep_and_hsdp_layouts_against_their_full_plans():
+    """The tiny MoE (8 experts) in three layouts the search enumerates, each estimated from its
+    own probe and planned in full: the activations' traffic (cp, ep, tp), the replicas'
+    reduction and the gradients' reduce-scatter are the plan's; FSDP's gathers too, with and
+    without a pipeline; the peak is not underestimated by more than 10% (what the search
+    drops or keeps by). Known gap (docs/planning.md): with HSDP and ep the experts' traffic
+    (ep_shard) is estimated at twice the plan's, and the peaks are overestimated."""
+    from automodel.planning.plan import make_plan
+    from automodel.planning.probes import run_probes
+    from automodel.planning.search import (
+        _base_overrides,
+        _resolve,
+        model_facts,
+        resolve_for_search,
+    )
+
+    train = resolve_for_search(["model=qwen3_moe_tiny", "trainer.seq_len=64",
+                                "trainer.global_batch_size=16"])
+    facts, gpu = model_facts(train), profile("h100_80gb")
+    job = {"global_batch": 16, "seq_len": 64, "activation_bytes": 2}
+    layouts = [Candidate(1, 4, 1, 1, "none", "none", 2, cp=2, ep=8, sp=False),
+               Candidate(2, 2, 2, 1, "none", "full", 1, cp=1, ep=4, sp=False),
+               Candidate(1, 2, 1, 2, "1f1b", "none", 1, cp=2, ep=2, sp=False)]
+    costs = run_probes(train, [c.probe for c in layouts], _resolve, 2)
+    exact = ("cp_ring", "ep", "tp", "dp_replicate")
+    for c in layouts:
+        est = estimate(c, costs[c.probe], facts, job, gpu)
+        plan = make_plan(_resolve(_base_overrides(train) + c.overrides()), gpu, None, 2)
+        for e, p in zip(est["ranks"], plan["ranks"], strict=True):
+            for axis, kinds in p["comm_bytes_per_step"].items():
+                for kind, n in kinds.items():
+                    if n < 1024:
+                        continue  # (the loss's and the norms' scalars are not estimated)
+                    got = e["comm"].get(axis, {}).get(kind, 0)
+                    if axis == "ep_shard" and c.dp_replicate > 1:
+                        assert got == pytest.approx(2 * n, rel=0.05)  # (the known gap)
+                    elif axis in exact or kind in ("reduce_scatter", "all_gather"):
+                        assert got == pytest.approx(n, rel=0.05), (c, axis, kind)
+            assert e["peak_bytes"] >= 0.9 * p["peak_bytes"], c
