@@ -87,6 +87,9 @@ def _rank(c: Candidate, costs, model: dict, job: dict, stages, layers, held, n_s
     # the head: its part per sequence (measured with two) grows with the micro-batch
     rest = costs.rest_peak * c.mbs * (c.pp == 1 or head)
     peak = state + activations + costs.rest_fixed + rest
+    if c.pp > 1:  # the stage keeps its layers gathered all step (one gather each, _gathers)
+        peak += n * sum(kinds.get("all_gather", 0) / 2 for axis, kinds in costs.layer_comm.items()
+                        if axis in FSDP_AXES)
     if micro > 1:  # FSDP2 keeps unsharded gradients between micro-batches (it reduces once)
         layer_rs, rest_rs = (sum(kinds.get("reduce_scatter", 0) for axis, kinds in x.items()
                                  if axis in FSDP_AXES)
