@@ -14,7 +14,6 @@ holds them).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -84,11 +83,9 @@ class LayerCosts:
     dp: int = PROBE_DP  # the probe's FSDP ranks (per replica)
     cp: int = 1
     ep: int = 1
-    # HSDP with expert parallelism: of layer_state (and layer_optimizer_peak), the experts'
-    # part, sharded over every data-parallel rank, replicas included (the rest is sharded
-    # within a replica); 0 elsewhere (where both are sharded alike)
+    # of layer_state, the experts' (their parameter shards and optimizer states, measured):
+    # FSDP pads their expert dimension to its shard count, so it scales by rows, not ranks
     layer_expert_state: float = 0.0
-    layer_expert_optimizer_peak: float = 0.0
 
 
 def ac_value(mode: str) -> str:
@@ -145,6 +142,7 @@ def layer_costs(key: ProbeKey, shallow: dict, deep: dict, wider: dict) -> LayerC
         rest_comm=_comm_delta(_scaled(_comm_delta(shallow["comm"], deep["comm"]), n),
                               shallow["comm"]),
         layer_optimizer_peak=d_opt,
+        layer_expert_state=deep["expert_state_bytes"] - shallow["expert_state_bytes"],
         rest_optimizer_peak=shallow["optimizer_peak_bytes"] - n * d_opt)
 
 
@@ -165,12 +163,10 @@ def _scaled(comm: dict, factor: float) -> dict:
 def run_probes(cfg, keys: list[ProbeKey], resolve_overrides, workers=None) -> dict:
     """``{key: LayerCosts}``: each key simulated at both depths (and the shallow one with two
     sequences), in parallel. ``resolve_overrides(overrides) -> TrainConfig`` resolves a
-    probe's config as plan.py does. HSDP keys with expert parallelism are probed beside their
-    unreplicated twin: the two tell the experts' state (sharded over the replicas too) from
-    the rest (sharded within a replica)."""
+    probe's config as plan.py does."""
     from automodel.planning.plan import simulate_configs
 
-    keys = sorted({*keys, *(_twin(k) for k in keys if _split_experts(k))})
+    keys = sorted(set(keys))
     runs = [(PROBE_DEPTHS[0], 1), (PROBE_DEPTHS[1], 1), (PROBE_DEPTHS[0], 2)]
     configs = [resolve_overrides(probe_overrides(cfg.overrides, key, depth,
                                                  cfg.trainer.seq_len, sequences))
@@ -179,27 +175,4 @@ def run_probes(cfg, keys: list[ProbeKey], resolve_overrides, workers=None) -> di
                             names=[f"probe {key.name} ({depth} layers, {sequences} per micro-batch)"
                                    for key in keys for depth, sequences in runs])
     k = len(runs)
-    costs = {key: layer_costs(key, *sims[k * i:k * i + k]) for i, key in enumerate(keys)}
-    for key in filter(_split_experts, keys):
-        costs[key] = experts_apart(costs[key], costs[_twin(key)])
-    return costs
-
-
-def _split_experts(key: ProbeKey) -> bool:
-    return key.replicated and key.ep > 1
-
-
-def _twin(key: ProbeKey) -> ProbeKey:
-    return dataclasses.replace(key, replicated=False)
-
-
-def experts_apart(replicated: LayerCosts, twin: LayerCosts) -> LayerCosts:
-    """``replicated`` with its experts' part of the layer's state: the replicated probe has
-    twice the data-parallel ranks of its ``twin``, over which the experts are sharded, and
-    the same shards of the rest, so the difference of the two is half the twin's experts,
-    which is the replicated probe's own."""
-    return dataclasses.replace(
-        replicated,
-        layer_expert_state=max(0.0, twin.layer_state - replicated.layer_state),
-        layer_expert_optimizer_peak=max(0.0, twin.layer_optimizer_peak
-                                        - replicated.layer_optimizer_peak))
+    return {key: layer_costs(key, *sims[k * i:k * i + k]) for i, key in enumerate(keys)}

@@ -13,8 +13,8 @@ estimated *optimistically* from its base:
 - a smaller ep than the base's takes the base's costs: ep changes only the experts' gathered
   weights and their traffic (E / ep per layer), of which the base has less;
 - HSDP takes the costs of FSDP over its shards: the replicas' reduction (its traffic and
-  buffers) is left out, and under expert parallelism the whole layer's state is taken as
-  sharded over the replicas too (only the experts' is).
+  buffers) is left out (the experts' state, sharded over the replicas too, is scaled to the
+  key's shards exactly: ``search._sharded``).
 
 So an optimistic estimate is at most as slow and as large as the key's own. A key is probed
 when one of its layouts, so estimated, fits and is faster than the ``keep``-th fastest layout
@@ -54,9 +54,6 @@ def optimistic(costs: LayerCosts, key: ProbeKey) -> LayerCosts:
                 for axis, kinds in comm.items()}
     cp = key.cp
     out = costs
-    if key.replicated and key.ep > 1:
-        out = dataclasses.replace(out, layer_expert_state=out.layer_state,
-                                  layer_expert_optimizer_peak=out.layer_optimizer_peak)
     if cp > 1:
         out = dataclasses.replace(
             out, layer_activation=out.layer_activation / cp, rest_peak=out.rest_peak / cp,

@@ -74,12 +74,11 @@ def _rank(c: Candidate, costs, model: dict, job: dict, stages, layers, held, n_s
     head = n_stages - 1 in stages  # (with the loss, whose logits grow with the micro-batch)
     ends = (0 in stages) * model["embed_share"] + (n_stages - 1 in stages) * model["head_share"]
     ends = ends if c.pp > 1 else 1
-    state = _sharded(c, costs, n, ends, costs.layer_state, costs.rest_state,
-                     costs.layer_expert_state)
+    state = _sharded(c, costs, model, n, ends, costs.layer_state, costs.rest_state)
     activations = costs.layer_activation * c.mbs * sum(layers[s] * held[s] for s in stages) \
         + costs.layer_fixed * n
     flops = (costs.layer_flops * n + costs.rest_flops * head) * c.mbs * micro
-    comm = _rank_comm(c, costs, n, micro, head, ends)
+    comm = _rank_comm(c, costs, n, micro, head, ends, _expert_scale(c, costs, model)[1])
     if c.pp > 1:
         p2p = c.mbs * job["seq_len"] // c.cp * model["hidden"] * job["activation_bytes"] * micro
         comm["pp"] = {"send": p2p * len(stages), "recv": p2p * len(stages)}
@@ -96,23 +95,41 @@ def _rank(c: Candidate, costs, model: dict, job: dict, stages, layers, held, n_s
                              for x in (costs.layer_comm, costs.rest_comm))
         peak += layer_rs * n + rest_rs * ends
     # the optimizer's step: the sharded states, gradients and the step's temporaries
-    stepping = _sharded(c, costs, n, ends, costs.layer_optimizer_peak,
-                        costs.rest_optimizer_peak, costs.layer_expert_optimizer_peak)
+    stepping = _sharded(c, costs, model, n, ends, costs.layer_optimizer_peak,
+                        costs.rest_optimizer_peak)
     return {"stages": list(stages), "layers": n, "peak_bytes": int(max(peak, stepping)),
             "flops": flops, "comm": comm}
 
 
-def _sharded(c: Candidate, costs, n: int, ends: float, layer: float, rest: float,
-             experts: float) -> float:
-    """A probe's sharded bytes (``layer`` per layer, of which ``experts`` the experts', and
-    ``rest`` where the rank holds the embedding and head) on the candidate's ranks: FSDP
-    shards over dp_shard x cp, experts over every data-parallel rank (replicas too) x cp x
-    tp (their product is the probe's where the costs are its own; ``prune.optimistic``
-    costs are those of a probe without cp)."""
+def _sharded(c: Candidate, costs, model: dict, n: int, ends: float, layer: float,
+             rest: float) -> float:
+    """A probe's sharded bytes (``layer`` per layer, of which the experts' state is
+    ``costs.layer_expert_state``, and ``rest`` where the rank holds the embedding and head)
+    on the candidate's ranks: FSDP shards the rest over dp_shard x cp (the probe's tp and, for
+    its own costs, cp), the experts by rows (``_expert_scale``)."""
     dense = costs.dp * costs.cp / (c.dp_shard * c.cp)
-    spread = costs.dp * (2 if costs.replicated else 1) * costs.cp / (
-        c.dp_replicate * c.dp_shard * c.cp)
-    return ((layer - experts) * n + rest * ends) * dense + experts * n * spread
+    experts = costs.layer_expert_state
+    return ((layer - experts) * n + rest * ends) * dense \
+        + experts * n * _expert_scale(c, costs, model)[0]
+
+
+def _expert_scale(c: Candidate, costs, model: dict) -> tuple[float, float]:
+    """(state, traffic) of the candidate's experts per the probe's. FSDP shards each rank's
+    ``experts / ep`` experts by rows over its shards (ep_shard under expert parallelism, else
+    dp_shard x cp), padding the rows to a multiple of them: a rank keeps ``ceil(local /
+    shards)`` rows, and a gather moves ``shards`` times that."""
+    def rows(ep: int, shards: int) -> tuple[int, int]:
+        local = -(-model.get("experts", 1) // ep)
+        return -(-local // shards), shards
+
+    data = costs.dp * (2 if costs.replicated else 1)
+    probe = rows(costs.ep, data * costs.cp * costs.tp // costs.ep if costs.ep > 1
+                 else costs.dp * costs.cp)
+    mine = rows(c.ep, c.layout.ep_shard if c.ep > 1 else c.dp_shard * c.cp)
+    if not model.get("experts"):  # (no count: as many rows as ranks)
+        spread = data * costs.cp / (c.dp_replicate * c.dp_shard * c.cp)
+        return spread, 1.0
+    return mine[0] / probe[0], mine[0] * mine[1] / (probe[0] * probe[1])
 
 
 # a probe's FSDP axes -> the candidate's: parameters are sharded over dp_shard x cp (named by
@@ -123,11 +140,13 @@ FSDP_AXES = {"dp_shard": "dp_shard_cp", "dp_shard_cp": "dp_shard_cp", "ep_shard"
 ACTIVATION_AXES = ("tp", "cp", "cp_ring", "cp_ulysses", "ep")
 
 
-def _rank_comm(c: Candidate, costs, n: int, micro: int, head: bool, ends: float) -> dict:
+def _rank_comm(c: Candidate, costs, n: int, micro: int, head: bool, ends: float,
+               padded: float = 1.0) -> dict:
     """The activations' traffic per layer and micro-batch (the rest's on the rank with the
     head); FSDP gathers per micro-batch and reduce-scatters the gradients once per step (the
     layers', and the rest's where the rank holds the embedding or the head: ``ends``); HSDP
-    all-reduces the shards across replicas once per step."""
+    all-reduces the shards across replicas once per step. ``padded``: the experts' gathered
+    rows per the probe's (their traffic, on ep_shard)."""
     comm: dict = {}
     layout = c.layout
 
@@ -139,6 +158,8 @@ def _rank_comm(c: Candidate, costs, n: int, micro: int, head: bool, ends: float)
         layer, rest = costs.layer_comm.get(axis, {}), costs.rest_comm.get(axis, {})
         for kind in {*layer, *rest}:
             b, r = layer.get(kind, 0), rest.get(kind, 0)
+            if axis == "ep_shard":
+                b, r = b * padded, r * padded
             if axis in ACTIVATION_AXES:
                 add(axis, kind, (b * n + r * head) * c.mbs * micro)
             elif axis in FSDP_AXES and layout.size(FSDP_AXES[axis]) > 1:

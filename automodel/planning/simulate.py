@@ -66,6 +66,9 @@ class RankSimulation:
     host_memory: dict = dataclasses.field(default_factory=dict)
     combined_peak_bytes: int = 0  # the peak of device and host memory together
     optimizer_peak_bytes: int = 0  # the device's peak while the optimizer steps
+    # of the state kept between steps (parameter shards and optimizer states), the experts'
+    # (mixture-of-experts models): FSDP pads their expert dimension to its shard count
+    expert_state_bytes: int = 0
 
 
 @contextlib.contextmanager
@@ -126,10 +129,12 @@ class _Job:
     optimizer: object
     step: object  # callable(micro_batches): one training step with the optimizer's
     pipeline: object = None
+    experts: list = dataclasses.field(default_factory=list)  # the experts modules
 
 
 def _build(cfg: TrainConfig, setup) -> _Job:
     from automodel.models.builder import build_meta_model
+    from automodel.models.experts import expert_modules
     from automodel.optim import Optimizers
     from automodel.parallelize import parallelize
     from automodel.planning.moe import balanced_routing
@@ -138,6 +143,7 @@ def _build(cfg: TrainConfig, setup) -> _Job:
     from automodel.recipes.step import train_step
 
     model = build_meta_model(cfg.model)
+    experts = list(expert_modules(model).values())  # (found by name before wrapping)
     router_loss = RouterLoss.of(model)
     setup.strategy = planning_strategy(setup.strategy)  # (DDP: a stand-in; refusals)
     parallel = parallelize(model, setup, allocate_fake)
@@ -163,7 +169,7 @@ def _build(cfg: TrainConfig, setup) -> _Job:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    return _Job(parallel, optimizer, step, pipeline)
+    return _Job(parallel, optimizer, step, pipeline, experts)
 
 
 def _measure(job: _Job, micro, rank: int, axis_of: dict) -> RankSimulation:
@@ -178,6 +184,7 @@ def _measure(job: _Job, micro, rank: int, axis_of: dict) -> RankSimulation:
              for p in host_params]
     with tracker:
         _make_optimizer_states(job)
+    experts = expert_state_bytes(job.experts, job.optimizer.optimizers)
     counter, flops = CommCounter(axis_of), FlopCounter()
     with tracker, StepCounters(flops, counter):
         job.step(micro)
@@ -194,7 +201,8 @@ def _measure(job: _Job, micro, rank: int, axis_of: dict) -> RankSimulation:
     return RankSimulation(rank, list(job.parallel.stage_ids), total, memory, detail,
                           counter.result(), flops.total, recv, counter.call_counts(),
                           host_total, memory_split(host, host_sharded) if host else {},
-                          peaks["all"].get("Total", 0), optimizer_peak_bytes(tracker))
+                          peaks["all"].get("Total", 0), optimizer_peak_bytes(tracker),
+                          experts)
 
 
 def memory_split(detail: dict, sharded: int) -> dict:
@@ -217,6 +225,15 @@ def _make_optimizer_states(job: _Job) -> None:
                 p.grad = torch.zeros_like(p)
     job.optimizer.step()
     job.optimizer.zero_grad(set_to_none=True)
+
+
+def expert_state_bytes(experts: list, optimizers) -> int:
+    """This rank's bytes of the ``experts`` modules' parameter shards (of a pipeline stage's
+    modules, those it holds) and their optimizer states."""
+    params = {id(p): p for m in experts for p in m.parameters() if p.device.type != "meta"}
+    states = sum(_local_bytes(t) for opt in optimizers for p, state in opt.state.items()
+                 if id(p) in params for t in state.values() if isinstance(t, torch.Tensor))
+    return sum(_local_bytes(p) for p in params.values()) + states
 
 
 def sharded_parameter_bytes(parts: list) -> int:
