@@ -146,10 +146,13 @@ def layout_text(cfg: TrainConfig) -> str:
 
 def make_plan(cfg: TrainConfig, profile: GpuProfile, calibration: dict | None = None,
               workers: int | None = None, simulations: list[dict] | None = None,
-              full_depth: bool = False) -> dict:
+              full_depth: bool = False, only: list[int] | None = None) -> dict:
     """The plan of ``cfg`` on ``profile`` GPUs. ``simulations``: the classes' simulations
-    when already made (the search re-costs them)."""
+    when already made (the search re-costs them); ``only``: the indices of the rank classes
+    to simulate, the others left out of the plan (the search's check of its estimate)."""
     classes = rank_classes(cfg)
+    if only is not None:
+        classes = [classes[i] for i in only]
     if simulations is None:
         from automodel.planning.supported import check_plannable
 

@@ -311,13 +311,19 @@ def _confirm_fastest(base: list[str], fitting: list[dict], gpu: GpuProfile, plan
 
 
 def _confirm(base: list[str], best: dict, gpu: GpuProfile, plan_cfg) -> dict:
-    """The best layout planned in full (the simulation of every rank class)."""
+    """The layout planned in full, by the simulation of the pipeline ranks (rank classes)
+    that decide it: the one of the largest estimated peak and the slowest (every class of a
+    plan would cost each pipeline rank's simulation; ``plan.py`` plans them all)."""
     from automodel.planning.plan import make_plan
 
+    ranks = best["ranks"]
+    only = sorted({max(range(len(ranks)), key=lambda i: ranks[i]["peak_bytes"]),
+                   max(range(len(ranks)), key=lambda i: ranks[i]["time"]["step_time_s"])})
     plan = make_plan(_resolve(base + best["overrides"]), gpu, plan_cfg.calibration,
-                     plan_cfg.workers, full_depth=plan_cfg.full_depth)
+                     plan_cfg.workers, full_depth=plan_cfg.full_depth, only=only)
     return {"step_time_s": plan["step_time_s"], "fits": plan["fits"],
             "peak_bytes": max(r["peak_bytes"] for r in plan["ranks"]),
+            "ranks_planned": [r["name"] for r in plan["ranks"]],
             "estimated_peak_bytes": best["peak_bytes"],
             "estimated_step_time_s": best["step_time_s"], "warnings": plan["warnings"]}
 
@@ -340,9 +346,10 @@ def search_summary(result: dict) -> str:
                      f"{p['peak_bytes'] / GiB:.1f} GiB: does not fit\n    {e['command']}")
     best = result.get("best_planned")
     if best:
-        lines.append(f" #1 planned in full: {best['step_time_s']:.3f} s/step, peak "
-                     f"{best['peak_bytes'] / GiB:.1f} GiB (estimated "
-                     f"{best['estimated_peak_bytes'] / GiB:.1f}), fits")
+        planned = ", ".join(best.get("ranks_planned", []))
+        lines.append(f" #1 planned in full{f' ({planned})' if planned else ''}: "
+                     f"{best['step_time_s']:.3f} s/step, peak {best['peak_bytes'] / GiB:.1f} "
+                     f"GiB (estimated {best['estimated_peak_bytes'] / GiB:.1f}), fits")
     elif result["top"] or result.get("refused_in_full"):
         lines.append(f" none of the {CONFIRM_TRIES} fastest fits when planned in full: plan "
                      "the others one by one (their commands above)")
