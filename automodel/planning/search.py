@@ -78,7 +78,8 @@ def _rank(c: Candidate, costs, model: dict, job: dict, stages, layers, held, n_s
     activations = costs.layer_activation * c.mbs * sum(layers[s] * held[s] for s in stages) \
         + costs.layer_fixed * n
     flops = (costs.layer_flops * n + costs.rest_flops * head) * c.mbs * micro
-    comm = _rank_comm(c, costs, n, micro, head, ends, _expert_scale(c, costs, model)[1])
+    padded = _expert_scale(c, costs, model)[1]
+    comm = _rank_comm(c, costs, n, micro, head, ends, padded)
     if c.pp > 1:
         p2p = c.mbs * job["seq_len"] // c.cp * model["hidden"] * job["activation_bytes"] * micro
         comm["pp"] = {"send": p2p * len(stages), "recv": p2p * len(stages)}
@@ -87,18 +88,22 @@ def _rank(c: Candidate, costs, model: dict, job: dict, stages, layers, held, n_s
     rest = costs.rest_peak * c.mbs * (c.pp == 1 or head)
     peak = state + activations + costs.rest_fixed + rest
     if c.pp > 1:  # the stage keeps its layers gathered all step (one gather each, _gathers)
-        peak += n * sum(kinds.get("all_gather", 0) / 2 for axis, kinds in costs.layer_comm.items()
-                        if axis in FSDP_AXES)
+        peak += n * _fsdp_bytes(costs.layer_comm, "all_gather", padded) / 2
     if micro > 1:  # FSDP2 keeps unsharded gradients between micro-batches (it reduces once)
-        layer_rs, rest_rs = (sum(kinds.get("reduce_scatter", 0) for axis, kinds in x.items()
-                                 if axis in FSDP_AXES)
-                             for x in (costs.layer_comm, costs.rest_comm))
-        peak += layer_rs * n + rest_rs * ends
+        peak += n * _fsdp_bytes(costs.layer_comm, "reduce_scatter", padded) \
+            + ends * _fsdp_bytes(costs.rest_comm, "reduce_scatter", padded)
     # the optimizer's step: the sharded states, gradients and the step's temporaries
     stepping = _sharded(c, costs, model, n, ends, costs.layer_optimizer_peak,
                         costs.rest_optimizer_peak)
     return {"stages": list(stages), "layers": n, "peak_bytes": int(max(peak, stepping)),
             "flops": flops, "comm": comm}
+
+
+def _fsdp_bytes(comm: dict, kind: str, padded: float) -> float:
+    """A probe's bytes of one kind on its FSDP axes (a gather's: the unsharded parameters; a
+    reduce-scatter's: the unsharded gradients), the experts' at the candidate's padding."""
+    return sum(kinds.get(kind, 0) * (padded if axis == "ep_shard" else 1)
+               for axis, kinds in comm.items() if axis in FSDP_AXES)
 
 
 def _sharded(c: Candidate, costs, model: dict, n: int, ends: float, layer: float,

@@ -324,8 +324,8 @@ def test_estimates_of_cp_ep_and_hsdp_layouts_against_their_full_plans():
     """The tiny MoE (8 experts) in three layouts the search enumerates, each estimated from its
     own probe and planned in full: the activations' traffic (cp, ep, tp), the replicas'
     reduction and the gradients' reduce-scatter are the plan's; FSDP's gathers too, with and
-    without a pipeline; the step time within 5%; the peak is not underestimated by more than
-    10% (what the search drops or keeps by). With HSDP the experts' shard count is twice the
+    without a pipeline; the step time within 5%; the peak from 10% under to 15% over
+    (measured: 0.3% to 11% over). With HSDP the experts' shard count is twice the
     probe's: FSDP's padding of their rows (2 experts a rank over 2 or 4 shards: one row
     either way) is what makes the state and traffic equal."""
     from automodel.planning.plan import make_plan
@@ -357,5 +357,5 @@ def test_estimates_of_cp_ep_and_hsdp_layouts_against_their_full_plans():
                     got = e["comm"].get(axis, {}).get(kind, 0)
                     if axis in exact or kind in ("reduce_scatter", "all_gather"):
                         assert got == pytest.approx(n, rel=0.05), (c, axis, kind)
-            assert e["peak_bytes"] >= 0.9 * p["peak_bytes"], c
+            assert 0.9 * p["peak_bytes"] <= e["peak_bytes"] <= 1.15 * p["peak_bytes"], c
         assert est["step_time_s"] == pytest.approx(plan["step_time_s"], rel=0.05), c
