@@ -22,6 +22,9 @@ from automodel.planning.depth import SHALLOW as PROBE_DEPTHS  # (why these depth
 # the layout keys of a job that the search chooses (and each probe sets for itself)
 LAYOUT_KEYS = ("mesh.", "pipeline", "parallelism.activation_checkpointing",
                "parallelism.sequence_parallel", "trainer.local_batch_size")
+# the axes whose traffic is the activations' (it grows with a rank's tokens, per layer and
+# micro-batch): tensor, context (ring and Ulysses) and expert parallelism
+ACTIVATION_AXES = ("tp", "cp", "cp_ring", "cp_ulysses", "ep")
 PROBE_DP = 2  # FSDP2 ranks of a probe (its collectives appear; sharded state is / 2)
 STATE = ("parameters_sharded", "optimizer_states")  # kept between steps, sharded by FSDP
 

@@ -31,10 +31,8 @@ import math
 from collections import defaultdict
 from typing import Callable
 
-from automodel.planning.probes import LayerCosts, ProbeKey
+from automodel.planning.probes import ACTIVATION_AXES, LayerCosts, ProbeKey
 
-# the axes whose traffic grows with a rank's tokens (search.ACTIVATION_AXES)
-PER_TOKEN_AXES = ("tp", "cp", "cp_ring", "cp_ulysses", "ep")
 MARGIN = 0.02
 
 
@@ -50,7 +48,7 @@ def base_key(key: ProbeKey, keys) -> ProbeKey:
 def optimistic(costs: LayerCosts, key: ProbeKey) -> LayerCosts:
     """``costs`` (of ``key``'s base) made at most the costs of ``key``'s own probe."""
     def per_token(comm: dict) -> dict:
-        return {axis: {k: (v / cp if axis in PER_TOKEN_AXES else v) for k, v in kinds.items()}
+        return {axis: {k: (v / cp if axis in ACTIVATION_AXES else v) for k, v in kinds.items()}
                 for axis, kinds in comm.items()}
     cp = key.cp
     out = costs

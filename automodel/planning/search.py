@@ -22,7 +22,7 @@ from automodel.config.pipeline_layout import stage_layer_ranges
 from automodel.planning import cost
 from automodel.planning.candidates import Candidate, candidates
 from automodel.planning.gpus import GiB, GpuProfile
-from automodel.planning.probes import LAYOUT_KEYS
+from automodel.planning.probes import ACTIVATION_AXES, LAYOUT_KEYS
 
 
 @functools.lru_cache(maxsize=None)
@@ -140,9 +140,6 @@ def _expert_scale(c: Candidate, costs, model: dict) -> tuple[float, float]:
 # a probe's FSDP axes -> the candidate's: parameters are sharded over dp_shard x cp (named by
 # the axes of size > 1, Layout.canonical_axis), the experts of expert parallelism over ep_shard
 FSDP_AXES = {"dp_shard": "dp_shard_cp", "dp_shard_cp": "dp_shard_cp", "ep_shard": "ep_shard"}
-# the axes whose traffic is the activations' (per layer and micro-batch): tensor, context
-# (ring and Ulysses) and expert parallelism; the probe's degrees are the candidate's
-ACTIVATION_AXES = ("tp", "cp", "cp_ring", "cp_ulysses", "ep")
 
 
 def _rank_comm(c: Candidate, costs, n: int, micro: int, head: bool, ends: float,
