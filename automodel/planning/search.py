@@ -74,11 +74,11 @@ def _rank(c: Candidate, costs, model: dict, job: dict, stages, layers, held, n_s
     head = n_stages - 1 in stages  # (with the loss, whose logits grow with the micro-batch)
     ends = (0 in stages) * model["embed_share"] + (n_stages - 1 in stages) * model["head_share"]
     ends = ends if c.pp > 1 else 1
-    state = _sharded(c, costs, model, n, ends, costs.layer_state, costs.rest_state)
+    rows, padded = _expert_scale(c, costs, model)
+    state = _sharded(c, costs, rows, n, ends, costs.layer_state, costs.rest_state)
     activations = costs.layer_activation * c.mbs * sum(layers[s] * held[s] for s in stages) \
         + costs.layer_fixed * n
     flops = (costs.layer_flops * n + costs.rest_flops * head) * c.mbs * micro
-    padded = _expert_scale(c, costs, model)[1]
     comm = _rank_comm(c, costs, n, micro, head, ends, padded)
     if c.pp > 1:
         p2p = c.mbs * job["seq_len"] // c.cp * model["hidden"] * job["activation_bytes"] * micro
@@ -93,7 +93,7 @@ def _rank(c: Candidate, costs, model: dict, job: dict, stages, layers, held, n_s
         peak += n * _fsdp_bytes(costs.layer_comm, "reduce_scatter", padded) \
             + ends * _fsdp_bytes(costs.rest_comm, "reduce_scatter", padded)
     # the optimizer's step: the sharded states, gradients and the step's temporaries
-    stepping = _sharded(c, costs, model, n, ends, costs.layer_optimizer_peak,
+    stepping = _sharded(c, costs, rows, n, ends, costs.layer_optimizer_peak,
                         costs.rest_optimizer_peak)
     return {"stages": list(stages), "layers": n, "peak_bytes": int(max(peak, stepping)),
             "flops": flops, "comm": comm}
@@ -106,16 +106,16 @@ def _fsdp_bytes(comm: dict, kind: str, padded: float) -> float:
                for axis, kinds in comm.items() if axis in FSDP_AXES)
 
 
-def _sharded(c: Candidate, costs, model: dict, n: int, ends: float, layer: float,
+def _sharded(c: Candidate, costs, rows: float, n: int, ends: float, layer: float,
              rest: float) -> float:
     """A probe's sharded bytes (``layer`` per layer, of which the experts' state is
     ``costs.layer_expert_state``, and ``rest`` where the rank holds the embedding and head)
     on the candidate's ranks: FSDP shards the rest over dp_shard x cp (the probe's tp and, for
-    its own costs, cp), the experts by rows (``_expert_scale``)."""
+    its own costs, cp), the experts by ``rows`` (``_expert_scale``)."""
     dense = costs.dp * costs.cp / (c.dp_shard * c.cp)
     experts = costs.layer_expert_state
     return ((layer - experts) * n + rest * ends) * dense \
-        + experts * n * _expert_scale(c, costs, model)[0]
+        + experts * n * rows
 
 
 def _expert_scale(c: Candidate, costs, model: dict) -> tuple[float, float]:
@@ -123,17 +123,16 @@ def _expert_scale(c: Candidate, costs, model: dict) -> tuple[float, float]:
     ``experts / ep`` experts by rows over its shards (ep_shard under expert parallelism, else
     dp_shard x cp), padding the rows to a multiple of them: a rank keeps ``ceil(local /
     shards)`` rows, and a gather moves ``shards`` times that."""
-    def rows(ep: int, shards: int) -> tuple[int, int]:
-        local = -(-model.get("experts", 1) // ep)
-        return -(-local // shards), shards
-
     data = costs.dp * (2 if costs.replicated else 1)
+    if not model.get("experts"):  # (a dense model, or no count given: by ranks)
+        return data * costs.cp / (c.dp_replicate * c.dp_shard * c.cp), 1.0
+
+    def rows(ep: int, shards: int) -> tuple[int, int]:
+        return -(-(model["experts"] // ep) // shards), shards
+
     probe = rows(costs.ep, data * costs.cp * costs.tp // costs.ep if costs.ep > 1
                  else costs.dp * costs.cp)
     mine = rows(c.ep, c.layout.ep_shard if c.ep > 1 else c.dp_shard * c.cp)
-    if not model.get("experts"):  # (no count: as many rows as ranks)
-        spread = data * costs.cp / (c.dp_replicate * c.dp_shard * c.cp)
-        return spread, 1.0
     return mine[0] / probe[0], mine[0] * mine[1] / (probe[0] * probe[1])
 
 
@@ -201,7 +200,8 @@ def model_facts(cfg) -> dict:
     meta = build_meta_model(cfg.model)
     text = mm.text_config(meta.config)
     tied = bool(getattr(text, "tie_word_embeddings", False))
-    experts = [m.num_experts for m in expert_modules(meta).values()
+    modules = expert_modules(meta)
+    experts = [m.num_experts for m in modules.values()
                if isinstance(getattr(m, "num_experts", None), int)]
     try:
         context_parallel.check_model(meta, 2, 1, 1)
@@ -211,7 +211,7 @@ def model_facts(cfg) -> dict:
     return {"layers": text.num_hidden_layers, "hidden": text.hidden_size,
             "heads": text.num_attention_heads,
             "kv_heads": getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
-            "moe": bool(expert_modules(meta)), "experts": math.gcd(*experts) if experts else 0,
+            "moe": bool(modules), "experts": math.gcd(*experts) if experts else 0,
             "context_parallel": cp_ok,
             # untied: the embedding and the head are equal; tied: each end holds a copy
             "embed_share": 1.0 if tied else 0.5, "head_share": 1.0 if tied else 0.5}

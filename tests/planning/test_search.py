@@ -359,3 +359,19 @@ def test_estimates_of_cp_ep_and_hsdp_layouts_against_their_full_plans():
                         assert got == pytest.approx(n, rel=0.05), (c, axis, kind)
             assert 0.9 * p["peak_bytes"] <= e["peak_bytes"] <= 1.15 * p["peak_bytes"], c
         assert est["step_time_s"] == pytest.approx(plan["step_time_s"], rel=0.05), c
+
+
+@pytest.mark.fast
+def test_experts_scale_by_fsdps_padded_rows_not_by_ranks():
+    from automodel.planning.search import _expert_scale
+
+    # 128 experts, ep 8: 16 a rank. The probe (16 FSDP ranks: 2 shards of the experts) keeps
+    # 8 rows; 256 ranks (32 shards) keep one row each, padded: 1/8 of the probe's state (by
+    # ranks it would be 1/16), and a gather moves 32 rows where the probe's moves 16
+    costs = LayerCosts(1, "none", layer_state=0, layer_activation=0, layer_flops=0,
+                       dp=ProbeKey(1, "none", ep=8).dp, ep=8, layer_expert_state=800)
+    c = Candidate(1, 256, 1, 1, "none", "none", 1, ep=8, sp=False)
+    assert c.layout.ep_shard == 32 and costs.dp * 1 // 8 == 2
+    assert _expert_scale(c, costs, {"experts": 128}) == (1 / 8, 32 / 16)
+    # without a count of experts (a dense model), by ranks
+    assert _expert_scale(c, costs, {}) == (16 / 256, 1.0)
