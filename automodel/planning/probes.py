@@ -15,6 +15,7 @@ holds them).
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 
 from automodel.planning.depth import SHALLOW as PROBE_DEPTHS  # (why these depths: there)
@@ -89,6 +90,9 @@ class LayerCosts:
     # of layer_state, the experts' (their parameter shards and optimizer states, measured):
     # FSDP pads their expert dimension to its shard count, so it scales by rows, not ranks
     layer_expert_state: float = 0.0
+    # rest_peak measured (the run with two sequences); False: the rest's peak is all in
+    # rest_fixed, right for micro-batches of one sequence only (``estimate`` refuses others)
+    rest_split: bool = True
 
 
 def ac_value(mode: str) -> str:
@@ -116,9 +120,10 @@ def probe_overrides(base: list[str], key: ProbeKey, depth: int, seq_len: int,
             f"trainer.seq_len={seq_len}", f"++model.config.num_hidden_layers={depth}"]
 
 
-def layer_costs(key: ProbeKey, shallow: dict, deep: dict, wider: dict) -> LayerCosts:
+def layer_costs(key: ProbeKey, shallow: dict, deep: dict, wider: dict | None) -> LayerCosts:
     """From the simulations (``as_dict``) at the two depths, and of the shallow one with two
-    sequences per micro-batch (``wider``: what the rest holds per sequence)."""
+    sequences per micro-batch (``wider``: what the rest holds per sequence; None: not run,
+    ``LayerCosts.rest_split``)."""
     def state(sim):
         return sum(sim["memory"][k] for k in STATE)
 
@@ -133,7 +138,8 @@ def layer_costs(key: ProbeKey, shallow: dict, deep: dict, wider: dict) -> LayerC
     d_act = min(growth, max(0.0, deep["memory"]["activations"]
                             - shallow["memory"]["activations"]))
     rest = shallow["peak_bytes"] - state(shallow) - n * growth
-    per_sequence = min(rest, max(0.0, wider["peak_bytes"] - shallow["peak_bytes"] - n * d_act))
+    per_sequence = 0.0 if wider is None else \
+        min(rest, max(0.0, wider["peak_bytes"] - shallow["peak_bytes"] - n * d_act))
     return LayerCosts(
         key.tp, key.ac, replicated=key.replicated, dp=key.dp, cp=key.cp, ep=key.ep,
         layer_state=d_state, layer_activation=d_act,
@@ -146,7 +152,8 @@ def layer_costs(key: ProbeKey, shallow: dict, deep: dict, wider: dict) -> LayerC
                               shallow["comm"]),
         layer_optimizer_peak=d_opt,
         layer_expert_state=deep["expert_state_bytes"] - shallow["expert_state_bytes"],
-        rest_optimizer_peak=shallow["optimizer_peak_bytes"] - n * d_opt)
+        rest_optimizer_peak=shallow["optimizer_peak_bytes"] - n * d_opt,
+        rest_split=wider is not None)
 
 
 def _comm_delta(a: dict, b: dict) -> dict:
@@ -163,19 +170,32 @@ def _scaled(comm: dict, factor: float) -> dict:
     return {axis: {k: v * factor for k, v in kinds.items()} for axis, kinds in comm.items()}
 
 
-def run_probes(cfg, keys: list[ProbeKey], resolve_overrides, workers=None) -> dict:
-    """``{key: LayerCosts}``: each key simulated at both depths (and the shallow one with two
-    sequences), in parallel. ``resolve_overrides(overrides) -> TrainConfig`` resolves a
-    probe's config as plan.py does."""
+def run_probes(cfg, keys: list[ProbeKey], resolve_overrides, workers=None,
+               wide=None) -> dict:
+    """``{key: LayerCosts}``: each key simulated at both depths, in parallel, and the keys in
+    ``wide`` (None: all) at the shallow one with two sequences too (the layouts of a key
+    without it take micro-batches of one sequence). ``resolve_overrides(overrides) ->
+    TrainConfig`` resolves a probe's config as plan.py does."""
     from automodel.planning.plan import simulate_configs
 
     keys = sorted(set(keys))
-    runs = [(PROBE_DEPTHS[0], 1), (PROBE_DEPTHS[1], 1), (PROBE_DEPTHS[0], 2)]
+    workers = workers or os.cpu_count() or 1
+    # one process per worker, running its share in turn (round robin over the keys: alike
+    # costs per share)
+    keys = [k for w in range(workers) for k in keys[w::workers]]
+    runs = {k: [(PROBE_DEPTHS[0], 1), (PROBE_DEPTHS[1], 1)]
+            + ([(PROBE_DEPTHS[0], 2)] if wide is None or k in wide else []) for k in keys}
+    tasks = [(key, depth, sequences) for key in keys for depth, sequences in runs[key]]
     configs = [resolve_overrides(probe_overrides(cfg.overrides, key, depth,
                                                  cfg.trainer.seq_len, sequences))
-               for key in keys for depth, sequences in runs]
-    sims = simulate_configs(configs, [0] * len(configs), workers,
-                            names=[f"probe {key.name} ({depth} layers, {sequences} per micro-batch)"
-                                   for key in keys for depth, sequences in runs])
-    k = len(runs)
-    return {key: layer_costs(key, *sims[k * i:k * i + k]) for i, key in enumerate(keys)}
+               for key, depth, sequences in tasks]
+    names = [f"probe {key.name} ({depth} layers, {sequences} per micro-batch)"
+             for key, depth, sequences in tasks]
+    sims = simulate_configs(configs, [0] * len(configs), workers, names,
+                            together=-(-len(configs) // workers))
+    out, i = {}, 0
+    for key in keys:
+        k = len(runs[key])
+        out[key] = layer_costs(key, *sims[i:i + 2], sims[i + 2] if k == 3 else None)
+        i += k
+    return out

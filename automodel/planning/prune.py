@@ -1,7 +1,7 @@
 """Which probes a search runs: its base probes, then only the keys whose layouts could still
 rank among the fastest (branch and bound).
 
-A probe costs three simulations (seconds each). With context and expert parallelism a search
+A probe costs two or three simulations (seconds each). With context and expert parallelism a search
 of hundreds of GPUs has hundreds of probe keys, and most of their layouts cannot win. So the
 search probes the *base* keys first: no context parallelism, no HSDP and, for a mixture of
 experts, ep 1 and the largest ep of each (tp, checkpointing). Every other key's layouts are
@@ -12,6 +12,9 @@ estimated *optimistically* from its base:
   traffic (the keys' and values' exchange) and buffers are left out;
 - a smaller ep than the base's takes the base's costs: ep changes only the experts' gathered
   weights and their traffic (E / ep per layer), of which the base has less;
+- a base probed without its run of two sequences (none of its own layouts takes more than one
+  sequence a micro-batch) does not split the rest's peak into what grows with the micro-batch and
+  what does not: its whole / cp is the least of both;
 - HSDP takes the costs of FSDP over its shards: the replicas' reduction (its traffic and
   buffers) is left out (the experts' state, sharded over the replicas too, is scaled to the
   key's shards exactly: ``search._sharded``).
@@ -57,6 +60,10 @@ def optimistic(costs: LayerCosts, key: ProbeKey) -> LayerCosts:
             out, layer_activation=out.layer_activation / cp, rest_peak=out.rest_peak / cp,
             layer_flops=out.layer_flops / cp, rest_flops=out.rest_flops / cp,
             layer_comm=per_token(out.layer_comm), rest_comm=per_token(out.rest_comm))
+    if not costs.rest_split:  # (not split by a run of two sequences: of a micro-batch of
+        # any size, the rest's peak is at least the whole of it / cp)
+        out = dataclasses.replace(out, rest_fixed=(costs.rest_fixed + costs.rest_peak) / cp,
+                                  rest_peak=0.0, rest_split=True)
     return out
 
 
@@ -71,12 +78,14 @@ def probe_and_estimate(found: list, probe: Callable[[list], dict],
                        estimate: Callable, keep: int, batch: int) -> Probed:
     """Estimates of the layouts ``found`` that could rank among the ``keep`` fastest: the
     base probes, then the most promising other keys, ``batch`` at a time.
-    ``probe(keys) -> {key: LayerCosts}``; ``estimate(candidate, costs) -> dict``."""
+    ``probe(keys, wide) -> {key: LayerCosts}`` (``wide``: the keys whose layouts take
+    micro-batches of more than one sequence); ``estimate(candidate, costs) -> dict``."""
     by_key = defaultdict(list)
     for c in found:
         by_key[c.probe].append(c)
+    wide = {k for k, cs in by_key.items() if any(c.mbs > 1 for c in cs)}
     base = {k: base_key(k, by_key) for k in by_key}
-    costs = probe(sorted(set(base.values())))
+    costs = probe(sorted(set(base.values())), wide)
     estimates = [estimate(c, costs[k]) for k in by_key if k in costs for c in by_key[k]]
     hope = {k: _best_fitting(estimate(c, optimistic(costs[base[k]], k)) for c in by_key[k])
             for k in by_key if k not in costs}
@@ -87,7 +96,7 @@ def probe_and_estimate(found: list, probe: Callable[[list], dict],
         if not waiting:
             break
         batch_keys = [k for _, k in waiting[:batch]]
-        costs.update(probe(batch_keys))
+        costs.update(probe(batch_keys, wide))
         estimates += [estimate(c, costs[k]) for k in batch_keys for c in by_key[k]]
     pruned = sum(len(cs) for k, cs in by_key.items() if k not in costs)
     return Probed(estimates, costs, pruned)

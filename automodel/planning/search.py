@@ -46,6 +46,9 @@ def estimate(c: Candidate, costs, model: dict, job: dict, profile: GpuProfile,
     ``costs`` (``LayerCosts`` at its tp and checkpointing mode). ``model``: layers, hidden,
     embed_share / head_share (of the probe's rest state); ``job``: global_batch, seq_len,
     activation_bytes (of an element passed between stages)."""
+    if c.mbs > 1 and not costs.rest_split:
+        raise ValueError(f"{costs.tp=} {costs.cp=}: a probe without the run of two sequences "
+                         f"cannot estimate micro-batches of {c.mbs}")
     dp = c.dp_replicate * c.dp_shard
     micro = job["global_batch"] // dp // c.mbs
     if c.pp > 1:
@@ -295,7 +298,7 @@ def _probe_and_estimate(train, found: list, model: dict, job: dict, gpu: GpuProf
 
     workers = plan_cfg.workers or os.cpu_count() or 1
     return probe_and_estimate(
-        found, lambda keys: run_probes(train, keys, _resolve, plan_cfg.workers),
+        found, lambda keys, wide: run_probes(train, keys, _resolve, plan_cfg.workers, wide),
         lambda c, costs: estimate(c, costs, model, job, gpu, plan_cfg.calibration),
         keep=plan_cfg.top + CONFIRM_TRIES - 1, batch=2 * workers)
 

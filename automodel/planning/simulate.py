@@ -26,6 +26,7 @@ import torch.distributed as dist
 from automodel.compat.planning import (
     fake_store,
     fake_tensor_mode,
+    forget_meshes,
     memory_tracker,
     offloaded_parameters,
     optimizer_peak_bytes,
@@ -81,6 +82,7 @@ def fake_world(world_size: int, rank: int):
         yield
     finally:
         dist.destroy_process_group()
+        forget_meshes()  # (the next simulation in this process builds meshes of its own)
 
 
 def simulate_rank(cfg: TrainConfig, rank: int) -> RankSimulation:

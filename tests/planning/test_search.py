@@ -295,13 +295,14 @@ def test_pruned_search_finds_the_exhaustive_fastest_with_fewer_probes():
 
     gpu = profile("h100_80gb")
     model = {"layers": 4, "hidden": 4096, "embed_share": 0.5, "head_share": 0.5}
-    job = {"global_batch": 64, "seq_len": 8192, "activation_bytes": 2}
-    found = candidates(32, 8, {**DENSE, "layers": 4}, 64, seq_len=8192)
-    probed_keys = []
+    job = {"global_batch": 32, "seq_len": 8192, "activation_bytes": 2}
+    found = candidates(32, 8, {**DENSE, "layers": 4}, 32, seq_len=8192)
+    probed_keys, narrow = [], []
 
-    def probe(keys):
+    def probe(keys, wide):
         probed_keys.extend(keys)
-        return {k: _true_costs(k) for k in keys}
+        narrow.extend(k for k in keys if k not in wide)
+        return {k: _true_costs(k) if k in wide else _unsplit(_true_costs(k)) for k in keys}
 
     def est(c, costs):
         return estimate(c, costs, model, job, gpu)
@@ -318,6 +319,17 @@ def test_pruned_search_finds_the_exhaustive_fastest_with_fewer_probes():
     # the base keys (no cp, no HSDP) are all probed; some cp keys too
     assert {k for k in keys if k.cp == 1 and not k.replicated} <= set(probed_keys)
     assert any(k.cp > 1 for k in probed_keys)
+    # keys whose layouts all take one sequence a micro-batch skip the run of two
+    assert narrow and all(c.mbs == 1 for c in found if c.probe in narrow)
+    wide_layout = next(c for c in found if c.mbs > 1)
+    with pytest.raises(ValueError, match="micro-batches of 2"):
+        est(wide_layout, _unsplit(_true_costs(wide_layout.probe)))
+
+
+def _unsplit(costs):
+    """A probe's costs without its run of two sequences: the rest's peak all fixed."""
+    return dataclasses.replace(costs, rest_fixed=costs.rest_fixed + costs.rest_peak,
+                               rest_peak=0.0, rest_split=False)
 
 
 def test_estimates_of_cp_ep_and_hsdp_layouts_against_their_full_plans():
@@ -375,3 +387,21 @@ def test_experts_scale_by_fsdps_padded_rows_not_by_ranks():
     assert _expert_scale(c, costs, {"experts": 128}) == (1 / 8, 32 / 16)
     # without a count of experts (a dense model), by ranks
     assert _expert_scale(c, costs, {}) == (16 / 256, 1.0)
+
+
+@pytest.mark.fast
+def test_a_base_without_its_run_of_two_sequences_bounds_the_rest_from_below():
+    """A base probed without its run of two sequences: its optimistic costs for a key with
+    cp hold at most the rest's peak its split costs would, for any micro-batch, and exactly
+    the whole / cp for one sequence without cp's share."""
+    from automodel.planning.prune import optimistic
+
+    split = LayerCosts(2, "full", layer_state=1e9, layer_activation=2e9, layer_flops=1e12,
+                       rest_peak=3e9, rest_fixed=1e9)
+    for cp in (1, 2, 4):
+        key = ProbeKey(2, "full", cp=cp)
+        a, b = optimistic(split, key), optimistic(_unsplit(split), key)
+        assert b.rest_split and b.layer_activation == a.layer_activation
+        for mbs in (1, 2, 4):
+            assert b.rest_fixed + b.rest_peak * mbs <= a.rest_fixed + a.rest_peak * mbs
+        assert b.rest_fixed + b.rest_peak == pytest.approx(4e9 / cp)

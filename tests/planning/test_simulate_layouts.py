@@ -171,3 +171,28 @@ def test_strategies_without_a_planning_path_are_refused_by_name():
         planning_strategy(toy)
     assert planning_strategy(strategy("ddp")).wrap == "automodel.planning.ddp.wrap_planned_ddp"
     assert planning_strategy(strategy("fsdp2")) is strategy("fsdp2")
+
+
+# ------------------------------------------------------------------ one process, many jobs
+def test_simulations_sharing_a_process_equal_fresh_ones():
+    """Probes run many simulations in one process (``simulate_configs(..., together=)``). A
+    mesh equals any earlier mesh of its shape, so DTensor's caches would hand a later job an
+    earlier job's mesh, with destroyed process groups (the second pipeline rank and the
+    second expert layout failed so), unless ``forget_meshes`` empties them: every result
+    equals the same simulation's in a fresh process."""
+    from automodel.planning.plan import simulate_configs
+
+    jobs = [(["model=llama_tiny", "pipeline=1f1b", "mesh.pp_size=2", "mesh.dp_size=2"], 0),
+            (["model=llama_tiny", "pipeline=1f1b", "mesh.pp_size=2", "mesh.dp_size=2"], 2),
+            (["model=qwen3_moe_tiny", "mesh.dp_size=4", "mesh.ep_size=4"], 0),
+            (["model=qwen3_moe_tiny", "mesh.dp_size=2", "mesh.tp_size=2",
+              "parallelism.sequence_parallel=false", "mesh.ep_size=4"], 0),
+            (["model=llama_tiny", "parallelism=hsdp", "mesh.dp_replicate_size=2",
+              "mesh.dp_size=4"], 0)]
+    configs = [load_config([*o, "data=synthetic", "trainer.global_batch_size=8"])
+               for o, _ in jobs]
+    ranks = [r for _, r in jobs]
+    shared = simulate_configs(configs, ranks, workers=1, together=len(jobs))
+    fresh = simulate_configs(configs, ranks, workers=2)
+    assert shared == fresh
+    assert shared[1]["stages"] == [1] and "ep" in shared[3]["comm"]
