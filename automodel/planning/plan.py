@@ -50,21 +50,21 @@ def simulate_classes(cfg: TrainConfig, classes: list[RankClass],
     """Each class's rank simulated in a fresh process (a process group each), in parallel; a
     deep model of alike layers as two shallow copies, extended to its depth
     (``planning/depth.py``), unless ``full_depth``."""
-    from automodel.planning.depth import SHALLOW, extend, shallow_config, shallow_depths
+    from automodel.planning.depth import extend, shallow_config, shallow_depths
 
     ranks = [c.rank for c in classes]
     names = [c.name for c in classes]
     depths = None if full_depth else shallow_depths(cfg)
     if depths is None:
         return simulate_configs([cfg] * len(classes), ranks, workers, names)
-    stages, sizes = depths
+    stages, sizes, pair = depths
     n = len(classes)
-    configs = [shallow_config(cfg, k, stages) for k in SHALLOW for _ in classes]
-    sims = simulate_configs(configs, ranks * len(SHALLOW), workers, names * len(SHALLOW))
+    configs = [shallow_config(cfg, k, stages) for k in pair for _ in classes]
+    sims = simulate_configs(configs, ranks * len(pair), workers, names * len(pair))
     out = []
     for a, b in zip(sims[:n], sims[n:]):
         held = len(a["stages"])
-        out.append(extend(a, b, SHALLOW[0] * held, SHALLOW[1] * held,
+        out.append(extend(a, b, pair[0] * held, pair[1] * held,
                           sum(sizes[s] for s in a["stages"])))
     return out
 
