@@ -165,7 +165,12 @@ def test_failed_simulation_names_class_and_layout(tmp_path):
     """A worker whose simulation raises: the error names the rank class and the layout and
     shows the worker's own exception, not the process pool's traceback."""
     from automodel.api import load_config
-    from automodel.planning.plan import RankClass, SimulationError, simulate_classes
+    from automodel.planning.plan import (
+        RankClass,
+        SimulationError,
+        simulate_classes,
+        simulate_configs,
+    )
 
     cfg = load_config(["parallelism=fsdp2", "mesh.dp_size=2", "data=synthetic"], str(tmp_path))
     # rank 5 of a world of 2: its mesh coordinates do not exist
@@ -176,6 +181,10 @@ def test_failed_simulation_names_class_and_layout(tmp_path):
                            "parallelism=fsdp2 pipeline=none dp_shard 2:"), text
     assert "Traceback (most recent call last)" in text and "simulate_rank" in text, text
     assert "concurrent.futures" not in text and "_RemoteTraceback" not in text
+    # two simulations sharing a process: the one that failed is named
+    with pytest.raises(SimulationError) as err:
+        simulate_configs([cfg, cfg], [0, 5], workers=1, names=["first", "second"], together=2)
+    assert str(err.value).startswith("the simulation of second (rank 5) failed"), str(err.value)
 
 
 def regenerate(names=None) -> None:
