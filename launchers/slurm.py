@@ -47,17 +47,19 @@ class TrainJob:
         return submitit.helpers.DelayedSubmission(self, *args, **kwargs)
 
 
-_SRUN_TASK_ERROR = re.compile(r"srun: error: \S+: tasks? ([\d,-]+): (.+)")
+_SRUN_TASK_ERROR = re.compile(r"srun: error: (\S+): tasks? ([\d,-]+): (.+)")
 
 
 def first_failed_task(batch_log: str) -> str:
-    """", rank N ended first (<srun's reason>)" from srun's lines in the job's log, or ""."""
+    """", rank N on NODE ended first (<srun's reason>)" from srun's lines in the job's log,
+    or ""."""
     try:
         with open(batch_log, errors="replace") as f:
             for line in f:
                 m = _SRUN_TASK_ERROR.search(line)
                 if m:
-                    return f": rank {m.group(1)} ended first ({m.group(2).strip()})"
+                    return (f": rank {m.group(2)} on {m.group(1)} ended first "
+                            f"({m.group(3).strip()})")
     except OSError:
         pass
     return ""

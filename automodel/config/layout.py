@@ -114,6 +114,25 @@ class Layout:
         used = [a for a in FLATTENED[axis] if self.size(a) > 1]
         return used[0] if len(used) == 1 else axis
 
+    def axes_across_nodes(self, node_of_rank) -> list[str]:
+        """The axes that should stay within a node (tp, cp and, under HSDP, dp_shard: their
+        collectives run every layer) but have a group whose ranks are on different nodes;
+        ``node_of_rank[r]``: rank r's node (any label)."""
+        strides, stride = {}, 1
+        for axis in reversed(BASE_AXES):
+            strides[axis] = stride
+            stride *= self.size(axis)
+        keep = [a for a in ("tp", "cp_ulysses", "cp_ring") if self.size(a) > 1]
+        if self.dp_replicate > 1 and self.dp_shard > 1:
+            keep.append("dp_shard")
+        split = []
+        for axis in keep:
+            step, n = strides[axis], self.size(axis)
+            starts = (r for r in range(self.world_size) if (r // step) % n == 0)
+            if any(len({node_of_rank[r + k * step] for k in range(n)}) > 1 for r in starts):
+                split.append(axis)
+        return split
+
     def size(self, axis: str) -> int:
         """The size of a base axis, a flattened view, or an axis of the MoE mesh."""
         axis = getattr(axis, "value", axis)

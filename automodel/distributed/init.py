@@ -27,10 +27,17 @@ class DistInfo:
     def is_main(self) -> bool:
         return self.rank == 0
 
+    hosts: tuple = ()  # each rank's hostname (several ranks: gathered at start-up)
+
     def describe(self) -> str:
-        """Backend, device and, with several ranks, where they met (for the start-up log)."""
+        """Backend, device and, with several ranks, where they met and which ranks are on
+        which node (for the start-up log)."""
         met = (f", rendezvous at {os.environ.get('MASTER_ADDR')}:{os.environ['MASTER_PORT']}"
                if self.world_size > 1 and "MASTER_PORT" in os.environ else "")
+        if self.hosts:
+            from automodel.launch.nodes import ranks_by_node
+
+            met += f", {ranks_by_node(list(self.hosts))}"
         return f"backend {self.backend}, device {self.device.type}{met}"
 
     def within(self, group) -> "DistInfo":
@@ -76,7 +83,19 @@ def init_distributed(backend: str | None, timeout_minutes: int, need_group: bool
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                                     timeout=startup, **extra)
-    return DistInfo(backend, device, rank, world, local_rank, timeout, startup)
+    return DistInfo(backend, device, rank, world, local_rank, timeout, startup,
+                    _hostnames(world))
+
+
+def _hostnames(world: int) -> tuple:
+    """Every rank's hostname, in rank order (one gather at start-up), with several ranks."""
+    if world < 2 or not dist.is_initialized():
+        return ()
+    import socket
+
+    names: list = [None] * world
+    dist.all_gather_object(names, socket.gethostname())
+    return tuple(names)
 
 
 def set_collective_timeout(timeout: datetime.timedelta, group=None) -> None:

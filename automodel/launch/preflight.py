@@ -231,9 +231,24 @@ def check_resume_checkpoint(cfg: TrainConfig) -> None:
 # What a resolved config must pass before anything starts, in order: what the machine can run,
 # the checkpoint to resume from, what the model can take, then the data. ``preflight`` runs
 # them; nothing else calls them in sequence.
+def warn_split_axes(cfg: TrainConfig) -> None:
+    """On several nodes (ranks filling a node before the next), warn from rank 0, and from a
+    submitter, when a group of tp, cp or HSDP's dp_shard would span nodes."""
+    from automodel.launch.nodes import blocks, split_axes_warning
+
+    launch = cfg.launch
+    world, per_node = launch.world_size, launch.local_world_size
+    if launch.rank != 0 or not world or not per_node or per_node >= world:
+        return
+    message = split_axes_warning(cfg.layout, blocks(world, per_node))
+    if message:
+        log.warning(message)
+
+
 PREFLIGHT_CHECKS = (
     ("runtime support", check_runtime_support),
     ("resume checkpoint", check_resume_checkpoint),
     ("model layout", check_model_layout),
     ("data", prepare_data),
+    ("nodes", warn_split_axes),
 )

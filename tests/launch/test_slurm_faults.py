@@ -135,7 +135,8 @@ def test_dead_rank_fails_the_job_promptly_and_is_named(tmp_path):
               env_extra={"AUTOMODEL_FAULTS": "kill@3:1"})
     elapsed = time.monotonic() - start
     assert out.returncode == 1
-    assert re.search(r"SLURM job \d+ failed: rank 1 ended first \(Killed\)", out.stderr)
+    assert re.search(r"SLURM job \d+ failed: rank 1 on localhost ended first \(Killed\)",
+                     out.stderr)
     assert elapsed < 180, f"{elapsed:.0f} s"
     # the same through a Hydra sweep on SLURM: the sweep fails, srun's line names the rank
     start = time.monotonic()
