@@ -104,7 +104,9 @@ start() {
   local cpus mem ctl="localhost" two=""
   cpus=$(nproc); mem=$(( $(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024 - 1024 ))
   if net_up; then
-    # the controller at its address on the virtual network: the nodes' srun reach it there
+    # the controller at its address on the virtual network: the nodes' srun reach it there.
+    # (The two nodes come first in slurm.conf: slurmctld takes any name for a node called
+    # localhost while it is the only node read, and would call node1 a duplicate of it.)
     ctl="$(hostname)($NET.1)"
     two="NodeName=node1 NodeAddr=$NET.11 CPUs=$cpus RealMemory=$((mem / 2)) State=UNKNOWN
 NodeName=node2 NodeAddr=$NET.12 CPUs=$cpus RealMemory=$((mem / 2)) State=UNKNOWN
@@ -156,9 +158,9 @@ SlurmctldPidFile=$ROOT/run/slurmctld.pid
 SlurmdPidFile=$ROOT/run/slurmd-%n.pid
 SlurmctldLogFile=$ROOT/log/slurmctld.log
 SlurmdLogFile=$ROOT/log/slurmd-%n.log
+$two
 NodeName=localhost CPUs=$cpus RealMemory=$mem State=UNKNOWN
 PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
-$two
 CONF
 
   /usr/sbin/slurmdbd -D >"$ROOT/log/slurmdbd.out" 2>&1 &
@@ -172,8 +174,9 @@ CONF
   echo "$! slurmd" >> "$PIDS"
   if [ -n "$two" ]; then
     local node
-    for node in $NODES; do  # (its own network and hostname: what its tasks see too)
-      ip netns exec "$(ns_of "$node")" unshare --uts sh -c \
+    for node in $NODES; do  # (its own network and hostname: what its tasks see too; nsenter,
+      # not `ip netns exec`, which mounts a /sys without the cgroup tree slurmd reads)
+      nsenter --net="/run/netns/$(ns_of "$node")" unshare --uts sh -c \
         "hostname $node && exec /usr/sbin/slurmd -D -N $node" >"$ROOT/log/slurmd-$node.out" 2>&1 &
       echo "$! slurmd-$node" >> "$PIDS"
     done

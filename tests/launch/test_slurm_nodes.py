@@ -78,3 +78,28 @@ def test_a_node_lost_mid_run_ends_the_job_promptly_and_is_named(tmp_path):
     assert re.search(r"SLURM job \d+ failed: rank [23](-3)? on node2 ended first \(Killed\)",
                      out.stderr), out.stderr
     assert elapsed < 240, f"{elapsed:.0f} s"
+
+
+def test_two_node_jobs_are_checked_before_submission(tmp_path):
+    """At submit time, against the world of 2 nodes x 2 tasks: a bad TP plan is refused and
+    nothing is queued; a TP group that would span the nodes is warned about, naming the
+    axis (the job is valid: it is submitted and runs)."""
+    from tests.launch.test_slurm_preflight import (
+        BAD_PLAN,
+        NO_SUCH_MODULE,
+        jobs_started_in,
+        refused,
+    )
+
+    sweep = tmp_path / "sweep"
+    out = run(["-m", *TWO_NODES, "parallelism=fsdp2", "mesh.tp_size=2", BAD_PLAN,
+               f"hydra.sweep.dir={sweep}"] + QUICK, tmp_path)
+    refused(out, "sweep job #0 (", "refused before anything was submitted", NO_SUCH_MODULE)
+    assert not (sweep / ".submitit").exists() and jobs_started_in(tmp_path) == []
+    out = run(["--wait", "--nodes", "2", "--tasks-per-node", "2", "--partition", "two",
+               "--output-dir", str(tmp_path / "tp4"), "parallelism=fsdp2", "mesh.tp_size=4",
+               "mesh.dp_size=1", "model.config.num_key_value_heads=4"] + QUICK, ROOT,
+              cmd=LAUNCHER, timeout=600)
+    assert out.returncode == 0, out.stderr  # (a warning: the layout runs, only slower)
+    assert "mesh axis tp spans nodes (ranks 0-1 on node 0, ranks 2-3 on node 1)" in out.stderr, \
+        out.stderr
