@@ -75,22 +75,22 @@ def init_distributed(backend: str | None, timeout_minutes: int, need_group: bool
     timeout = datetime.timedelta(minutes=timeout_minutes)
     # groups start with the longer start-up timeout; the runner lowers it after the first step
     startup = max(timeout, datetime.timedelta(minutes=startup_timeout_minutes))
+    hosts: tuple = ()
     if not dist.is_initialized() and (world > 1 or need_group):
         extra = {"device_id": device} if device.type == "cuda" else {}
         if world > 1:
             dist.init_process_group(backend, rank=rank, world_size=world, timeout=startup,
                                     **extra)
+            hosts = _hostnames(world)
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                                     timeout=startup, **extra)
-    return DistInfo(backend, device, rank, world, local_rank, timeout, startup,
-                    _hostnames(world))
+    return DistInfo(backend, device, rank, world, local_rank, timeout, startup, hosts)
 
 
 def _hostnames(world: int) -> tuple:
-    """Every rank's hostname, in rank order (one gather at start-up), with several ranks."""
-    if world < 2 or not dist.is_initialized():
-        return ()
+    """Every rank's hostname, in rank order: one gather, by the ranks that just started the
+    group together (a caller that brought its own group may call this on some ranks only)."""
     import socket
 
     names: list = [None] * world
