@@ -138,3 +138,32 @@ def read_wandb_records(path):
         elif kind == 4:  # last
             chunks.append(partial + payload)
     return [pb.Record.FromString(c) for c in chunks]
+
+
+def listening_sockets(pid: str = "self") -> list[str]:
+    """``address:port`` of each TCP socket process ``pid`` holds in the listening state
+    (``[::]``/``0.0.0.0``: every interface)."""
+    import ipaddress
+
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:["):-1])
+    found = []
+    for table, v6 in (("tcp", False), ("tcp6", True)):
+        for line in open(f"/proc/{pid}/net/{table}").read().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] != "0A" or fields[9] not in inodes:  # 0A: LISTEN
+                continue
+            hex_addr, hex_port = fields[1].split(":")
+            raw = bytes.fromhex(hex_addr)
+            if v6:  # four little-endian 32-bit words
+                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4))
+                found.append(f"[{ipaddress.IPv6Address(raw)}]:{int(hex_port, 16)}")
+            else:
+                found.append(f"{ipaddress.IPv4Address(raw[::-1])}:{int(hex_port, 16)}")
+    return sorted(found)

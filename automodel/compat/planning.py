@@ -96,38 +96,6 @@ INTERNALS += [
 ]
 
 
-_TENSOR = "torch.distributed.tensor"
-INTERNALS += [
-    Internal(f"{_TENSOR}._sharding_prop", "ShardingPropagator.propagate_op_sharding",
-             _FEATURE, patched=False, assigned_in=True),
-    Internal(f"{_TENSOR}._sharding_prop", "ShardingPropagator._propagate_tensor_meta_cached",
-             _FEATURE, patched=False, params=("self", "op_schema")),
-    Internal(f"{_TENSOR}._redistribute", "_gen_transform_infos", _FEATURE, patched=False,
-             params=("src_spec", "dst_spec")),
-    Internal(f"{_TENSOR}._collective_utils", "MeshTopoInfo.build_from_mesh", _FEATURE,
-             patched=False, params=("mesh",)),
-    Internal("torch._C", "_clear_DTensor_sharding_propagator_cache", _FEATURE, patched=False,
-             check=lambda f: None if callable(f) else "not callable"),
-]
-
-
-def forget_meshes() -> None:
-    """Empty DTensor's caches keyed by meshes. A mesh equals any earlier mesh of the same
-    shape and names, so in a process that simulates again, a cached sharding would hand the
-    new job an earlier job's mesh, whose process groups are destroyed."""
-    import torch
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._collective_utils import MeshTopoInfo
-    from torch.distributed.tensor._redistribute import _gen_transform_infos
-
-    torch._C._clear_DTensor_sharding_propagator_cache()  # (DTensor's dispatch in C++)
-    propagator = DTensor._op_dispatcher.sharding_propagator
-    propagator.propagate_op_sharding.cache_clear()
-    propagator._propagate_tensor_meta_cached.cache_clear()
-    _gen_transform_infos.cache_clear()
-    MeshTopoInfo.build_from_mesh.cache_clear()
-
-
 @contextlib.contextmanager
 def pipeline_warmup_without_peers():
     """The schedule's first step votes with its peers over point-to-point messages on how the

@@ -125,3 +125,45 @@ def flatten_state_dict(state: dict):
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict as flatten
 
     return flatten(state)
+
+
+_TENSOR = "torch.distributed.tensor"
+_MESH_CACHES = ("a job's meshes (DTensor's caches keyed by mesh, emptied when the process "
+                "group ends and between plan.py's simulations)")
+INTERNALS += [
+    Internal(f"{_TENSOR}._sharding_prop", "ShardingPropagator.propagate_op_sharding",
+             _MESH_CACHES, patched=False, assigned_in=True),
+    Internal(f"{_TENSOR}._sharding_prop", "ShardingPropagator._propagate_tensor_meta_cached",
+             _MESH_CACHES, patched=False, params=("self", "op_schema")),
+    Internal(f"{_TENSOR}._redistribute", "_gen_transform_infos", _MESH_CACHES, patched=False,
+             params=("src_spec", "dst_spec")),
+    Internal(f"{_TENSOR}._redistribute", "clear_redistribute_planner_cache", _MESH_CACHES,
+             patched=False, params=()),
+    Internal(f"{_TENSOR}._collective_utils", "MeshTopoInfo.build_from_mesh", _MESH_CACHES,
+             patched=False, params=("mesh",)),
+    Internal("torch._C", "_clear_DTensor_sharding_propagator_cache", _MESH_CACHES,
+             patched=False, check=lambda f: None if callable(f) else "not callable"),
+]
+
+
+def forget_meshes() -> None:
+    """Empty DTensor's caches keyed by meshes. They hold the meshes, and so the meshes'
+    process groups (each a listening socket under gloo) after the job's group is destroyed;
+    and a mesh equals any earlier mesh of the same shape and names, so in a process that
+    simulates again, a cached sharding would hand the new job an earlier job's mesh, whose
+    process groups are destroyed."""
+    import torch
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._collective_utils import MeshTopoInfo
+    from torch.distributed.tensor._redistribute import (
+        _gen_transform_infos,
+        clear_redistribute_planner_cache,
+    )
+
+    torch._C._clear_DTensor_sharding_propagator_cache()  # (DTensor's dispatch in C++)
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator.propagate_op_sharding.cache_clear()
+    propagator._propagate_tensor_meta_cached.cache_clear()
+    _gen_transform_infos.cache_clear()
+    clear_redistribute_planner_cache()
+    MeshTopoInfo.build_from_mesh.cache_clear()

@@ -79,8 +79,10 @@ def init_distributed(backend: str | None, timeout_minutes: int, need_group: bool
     if not dist.is_initialized() and (world > 1 or need_group):
         extra = {"device_id": device} if device.type == "cuda" else {}
         if world > 1:
+            from automodel.distributed.store import rendezvous_store
+
             dist.init_process_group(backend, rank=rank, world_size=world, timeout=startup,
-                                    **extra)
+                                    store=rendezvous_store(rank, world, startup), **extra)
             hosts = _hostnames(world)
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
@@ -117,3 +119,7 @@ def destroy_distributed() -> None:
         # live DDP reducer can abort the process in gloo's destructor.
         gc.collect()
         dist.destroy_process_group()
+        from automodel.compat.torch_dist import forget_meshes
+
+        forget_meshes()  # (DTensor's caches would keep the meshes' groups, and their sockets)
+        gc.collect()

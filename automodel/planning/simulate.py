@@ -26,7 +26,6 @@ import torch.distributed as dist
 from automodel.compat.planning import (
     fake_store,
     fake_tensor_mode,
-    forget_meshes,
     memory_tracker,
     offloaded_parameters,
     optimizer_peak_bytes,
@@ -36,6 +35,7 @@ from automodel.compat.planning import (
     split_backward_tracked,
     value_checks_pass_on_fake_tensors,
 )
+from automodel.compat.torch_dist import forget_meshes
 from automodel.config.resolve import TrainConfig
 from automodel.planning.comm import CommCounter, axis_groups
 from automodel.planning.counters import StepCounters

@@ -1,0 +1,69 @@
+"""The rendezvous store of ranks started without torch's agent (SLURM tasks): rank 0 serves it
+on MASTER_ADDR's address alone, never on the wildcard address, and when the job ends no
+process of it listens on any port (store, gloo, DCP: nothing left open)."""
+
+import os
+import pickle
+import socket
+import sys
+
+import pytest
+import torch.multiprocessing as mp
+
+from automodel.distributed.store import bind_address
+from tests.helpers import BASE, ON_CPU, listening_sockets
+
+@pytest.mark.fast
+def test_bind_address_prefers_a_routable_address_and_never_binds_loopback_across_nodes():
+    assert bind_address("node1", ["10.0.0.5"], spans_nodes=True) == ("10.0.0.5", "")
+    assert bind_address("node1", ["127.0.1.1", "10.0.0.5"], spans_nodes=True) == ("10.0.0.5", "")
+    assert bind_address("localhost", ["127.0.0.1", "::1"], spans_nodes=False) == ("127.0.0.1", "")
+    address, warning = bind_address("node1", ["127.0.1.1"], spans_nodes=True)
+    assert address == ""  # (every interface, as torch's default)
+    assert "MASTER_ADDR=node1 resolves to 127.0.1.1 (loopback)" in warning
+    assert "make node1 resolve to the node's cluster address" in warning
+
+
+def _rank(rank, world, port, out, path):
+    sys.path[:] = path
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    import torch.distributed as dist
+
+    from automodel.api import load_config
+    from automodel.distributed.init import destroy_distributed, init_distributed
+    from automodel.recipes.train import run_rank
+
+    init_distributed("gloo", 1, need_group=True)
+    dist.barrier()
+    during = listening_sockets()
+    destroy_distributed()
+    after_group = listening_sockets()
+    cfg = load_config(BASE + ON_CPU + ["parallelism=fsdp2", "trainer.max_steps=2",
+                                       "checkpoint.every_steps=1"], out, env=dict(os.environ))
+    records = run_rank(cfg)  # a whole job: meshes, FSDP2, checkpoints
+    with open(os.path.join(out, f"{rank}.pkl"), "wb") as f:
+        pickle.dump((during, after_group, listening_sockets(), records), f)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.timeout(300)
+def test_store_listens_on_master_addr_only_and_nothing_listens_after_the_job(tmp_path):
+    port = _free_port()
+    mp.start_processes(_rank, args=(2, port, str(tmp_path), list(sys.path)), nprocs=2,
+                       join=True, start_method="spawn")
+    results = [pickle.load(open(tmp_path / f"{r}.pkl", "rb")) for r in range(2)]
+    during, after_group, after_job, records = results[0]
+    assert f"127.0.0.1:{port}" in during, during  # rank 0 serves the store there
+    wildcard = [a for a in during if a.rsplit(":", 1)[0] in ("0.0.0.0", "[::]")]
+    assert not wildcard, f"listening on every interface: {during}"
+    for rank, (_, after_group, after_job, _) in enumerate(results):
+        assert after_group == [], f"rank {rank} after destroy_distributed: {after_group}"
+        assert after_job == [], f"rank {rank} after a whole job: {after_job}"
+    assert len(records) == 2 and results[1][3] is None
