@@ -78,9 +78,11 @@ def run_from_hydra(cfg):
 
 
 def _slurm_log() -> str:
-    from automodel.launch.slurm import task_log_path
+    from automodel.launch.slurm import requeue_follows, task_log_path
 
-    return f"log: {task_log_path()}"
+    then = ("\nthe job is requeued and resumes from its last complete checkpoint"
+            if requeue_follows() else "")
+    return f"log: {task_log_path()}{then}"
 
 
 def resolve_hydra_job(cfg, hc, output_dir: str, multirun: bool, env=None):

@@ -1,8 +1,9 @@
 """Fault injection for tests and failure drills, read from ``AUTOMODEL_FAULTS`` (never from
 the training config, so a real run cannot switch it on by accident).
 
-``AUTOMODEL_FAULTS`` is a comma-separated list of ``kind@step[:rank]`` (rank omitted: every
-rank); a step is the 1-based number of the optimizer step:
+``AUTOMODEL_FAULTS`` is a comma-separated list of ``kind@step[:rank][/restart]`` (rank omitted:
+every rank; restart omitted: every run of the job, else only the run after that many SLURM
+requeues, ``/0`` being the first run); a step is the 1-based number of the optimizer step:
 
     nan@3            step 3's logits become NaN (so its loss and gradients do)
     kill@3:1         rank 1 kills itself with SIGKILL at the start of step 3
@@ -10,6 +11,8 @@ rank); a step is the 1-based number of the optimizer step:
                      shards are written and before the checkpoint is made complete
     sleep@0.2        every step sleeps 0.2 s on every rank (keeps a short run alive long
                      enough to signal it)
+    kill@3:2/0       rank 2 kills itself at the start of step 3 in the job's first run only
+                     (a requeued job then runs through)
     raise@3:1        rank 1 raises at the start of step 3 a RuntimeError chained from a
                      ValueError (the root cause a failure summary must name)
     enospc_in_save@4 the save of step 4's checkpoint fails as a full disk does: an
@@ -35,6 +38,7 @@ class Fault:
     kind: str
     value: float  # the step (or the seconds of ``sleep``)
     rank: int | None
+    restart: int | None = None  # only in this run of a requeued SLURM job
 
 
 def parse(text: str | None) -> list[Fault]:
@@ -44,19 +48,26 @@ def parse(text: str | None) -> list[Fault]:
         if not item:
             continue
         kind, _, rest = item.partition("@")
+        rest, _, restart = rest.partition("/")
         where, _, rank = rest.partition(":")
-        if kind not in KINDS or not where:
-            raise ValueError(f"{ENV}={text!r}: cannot read {item!r}; expected kind@step[:rank] "
-                             f"with kind one of {', '.join(KINDS)}")
-        faults.append(Fault(kind, float(where), int(rank) if rank else None))
+        try:
+            if kind not in KINDS:
+                raise ValueError(kind)
+            faults.append(Fault(kind, float(where), int(rank) if rank else None,
+                                int(restart) if restart else None))
+        except ValueError:
+            raise ValueError(f"{ENV}={text!r}: cannot read {item!r}; expected "
+                             f"kind@step[:rank][/restart] with kind one of {', '.join(KINDS)}"
+                             ) from None
     return faults
 
 
 class Faults:
-    def __init__(self, rank: int, text: str | None = None):
+    def __init__(self, rank: int, text: str | None = None, restart: int | None = None):
         self.rank = rank
+        restart = int(os.environ.get("SLURM_RESTART_COUNT", 0)) if restart is None else restart
         self.faults = [f for f in parse(os.environ.get(ENV) if text is None else text)
-                       if f.rank is None or f.rank == rank]
+                       if f.rank in (None, rank) and f.restart in (None, restart)]
 
     def _at(self, kind: str, step: int) -> bool:
         return any(f.kind == kind and int(f.value) == step for f in self.faults)

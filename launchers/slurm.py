@@ -1,12 +1,14 @@
 """Submit one job to SLURM through submitit, without a Hydra sweep.
 
     python -m launchers.slurm [--nodes 1] [--tasks-per-node 2] [--partition P] [--time-min 60]
-                              [--folder DIR] [--wait] [override ...]
+                              [--requeue N] [--folder DIR] [--wait] [override ...]
 
 The overrides are the same ``key=value`` strings ``train.py`` takes; the config is composed,
 validated and preflighted (``automodel.launch.preflight``: the model's TP plan and pipeline
 split, the data) here, before anything is submitted. Prints the job id; with ``--wait`` it
-follows the job to its end and exits non-zero (with the log path) if it failed.
+follows the job to its end and exits non-zero (with the log path) if it failed. With
+``--requeue N`` a job that fails (a node or rank lost) is requeued by SLURM up to N times and
+resumes from its last complete checkpoint (``automodel.launch.slurm.requeue_parameters``).
 """
 
 from __future__ import annotations
@@ -31,15 +33,23 @@ class TrainJob:
         from automodel.errors import TrainingStopped
         from automodel.launch.local import launch
         from automodel.launch.preflight import preflight
+        from automodel.launch.slurm import requeue_follows
 
-        cfg = load_config(overrides, output_dir=output_dir, env=os.environ)
-        preflight(cfg)  # again in the task: the data cache the submitter built is only opened
         try:
+            cfg = load_config(overrides, output_dir=output_dir, env=os.environ)
+            preflight(cfg)  # again in the task: the data cache the submitter built is opened
             return launch(cfg)
         except TrainingStopped as stopped:  # saved (and requeued): end the task without a
             # result, so submitit waits for the requeued run's
             print(f"automodel: {stopped}", file=sys.stderr, flush=True)
             sys.exit(stopped.exit_code)
+        except Exception as err:
+            if not requeue_follows():
+                raise
+            # the job will be requeued: no result (an error would end the submitter's wait)
+            print(f"automodel: {err}\nautomodel: the job is requeued and resumes from its "
+                  "last complete checkpoint", file=sys.stderr, flush=True)
+            sys.exit(1)
 
     def checkpoint(self, *args, **kwargs):
         import submitit
@@ -102,6 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--partition", default=None)
     p.add_argument("--account", default=None)
     p.add_argument("--time-min", type=int, default=60)
+    p.add_argument("--requeue", type=int, default=0, metavar="N",
+                   help="requeue a failed job (a node or rank lost) up to N times; it resumes "
+                        "from its last complete checkpoint")
     p.add_argument("--folder", default=None, help="submitit folder (default: under the output)")
     p.add_argument("--output-dir", default=None,
                    help="the job's output directory (default: outputs/slurm/<timestamp>)")
@@ -111,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from automodel.api import load_config
     from automodel.config.build import ConfigError
-    from automodel.launch.slurm import submit_env
+    from automodel.launch.slurm import requeue_parameters, submit_env
 
     output_dir = str(Path(args.output_dir or Path("outputs") / "slurm" /
                           datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")).absolute())
@@ -133,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     params = dict(nodes=args.nodes, tasks_per_node=args.tasks_per_node,
                   cpus_per_task=args.cpus_per_task, timeout_min=args.time_min,
                   name="automodel", slurm_srun_args=["--kill-on-bad-exit=1"])
+    params.update({f"slurm_{k}": v for k, v in requeue_parameters(args.requeue).items()})
     if args.gpus_per_node:
         params["gpus_per_node"] = args.gpus_per_node
     if args.partition:

@@ -71,3 +71,19 @@ def job_gpus(params: dict):
     if params.get("gpus_per_node") is not None:
         return params["gpus_per_node"]
     return params.get("gpus_per_task")
+
+
+def stock_parameters(params: dict) -> dict:
+    """The stock submitit launcher's parameters for automodel's (``hydra/launcher=slurm``):
+    ``requeue`` becomes the job script's lines and sbatch's flag
+    (``automodel.launch.slurm.requeue_parameters``), after the user's own setup lines."""
+    from automodel.launch.slurm import requeue_parameters
+
+    stock = {k: v for k, v in params.items() if k != "requeue"}
+    extra = requeue_parameters(int(params.get("requeue") or 0))
+    stock["setup"] = list(stock.get("setup") or []) + extra.get("setup", [])
+    if "teardown" in extra:
+        stock["teardown"] = extra["teardown"]
+    stock["additional_parameters"] = {**(stock.get("additional_parameters") or {}),
+                                      **extra.get("additional_parameters", {})}
+    return stock

@@ -47,3 +47,35 @@ def task_log_path() -> str:
         return str(submitit.JobEnvironment().paths.stderr)
     except Exception:  # not a submitit job
         return f"the log of SLURM job {os.environ.get('SLURM_JOB_ID', '?')}"
+
+
+REQUEUE_ENV = "AUTOMODEL_REQUEUE"  # the job's requeues after a failure (its tasks read it)
+
+
+def requeue_parameters(times: int) -> dict:
+    """submitit's ``setup``, ``teardown`` and ``additional_parameters`` of a job that SLURM runs
+    again, up to ``times`` times, when it fails: a rank or node lost, a step that raised. The
+    teardown runs after srun only when srun ended by itself (a cancelled or preempted job never
+    reaches it): srun failed and the job has been requeued fewer than ``times`` times, so it
+    requeues the job, which resumes from its last complete checkpoint. ``--requeue`` also lets
+    SLURM requeue the job itself when it declares a node failed. The job's exit code stays
+    srun's."""
+    if times <= 0:
+        return {}
+    requeue = (
+        'if [ "$automodel_rc" -ne 0 ] && [ "${SLURM_RESTART_COUNT:-0}" -lt "$AUTOMODEL_REQUEUE" ]'
+        ' && scontrol -o show job "$SLURM_JOB_ID" | grep -q "JobState=RUNNING"; then'
+        ' echo "automodel: srun ended with exit code $automodel_rc; requeueing SLURM job'
+        ' $SLURM_JOB_ID (requeue $((${SLURM_RESTART_COUNT:-0} + 1)) of $AUTOMODEL_REQUEUE):'
+        ' it resumes from its last complete checkpoint" >&2;'
+        ' scontrol requeue "$SLURM_JOB_ID"; fi')
+    return {"setup": [f"export {REQUEUE_ENV}={int(times)}"],
+            "teardown": ["automodel_rc=$?", requeue, 'exit "$automodel_rc"'],
+            "additional_parameters": {"requeue": True}}
+
+
+def requeue_follows() -> bool:
+    """True in a task of a job that the teardown of ``requeue_parameters`` will requeue if it
+    fails now (fewer requeues so far than allowed)."""
+    allowed = int(os.environ.get(REQUEUE_ENV, 0) or 0)
+    return int(os.environ.get("SLURM_RESTART_COUNT", 0) or 0) < allowed

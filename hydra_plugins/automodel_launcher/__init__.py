@@ -5,9 +5,27 @@ here; the repository root is on ``sys.path`` whenever ``train.py`` runs. What it
 submitit SLURM launcher is in ``automodel/launch/hydra_slurm.py``.
 """
 
+from dataclasses import dataclass
+
+from hydra.core.config_store import ConfigStore
+from hydra_plugins.hydra_submitit_launcher.config import SlurmQueueConf
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import (
     SlurmLauncher as SubmititSlurmLauncher,
 )
+
+
+@dataclass
+class AutomodelSlurmQueueConf(SlurmQueueConf):
+    """submitit's SLURM options, and automodel's own."""
+
+    _target_: str = "hydra_plugins.automodel_launcher.SlurmLauncher"
+    # requeue a job that fails (a node or rank lost) up to this many times; it resumes from
+    # its last complete checkpoint (automodel.launch.slurm.requeue_parameters)
+    requeue: int = 0
+
+
+ConfigStore.instance().store(group="hydra/launcher", name="automodel_slurm",
+                             node=AutomodelSlurmQueueConf(), provider="automodel")
 
 
 class SlurmLauncher(SubmititSlurmLauncher):
@@ -16,10 +34,10 @@ class SlurmLauncher(SubmititSlurmLauncher):
     this module)."""
 
     def launch(self, job_overrides, initial_job_idx):
-        from automodel.launch.hydra_slurm import preflight_sweep
+        from automodel.launch.hydra_slurm import preflight_sweep, stock_parameters
 
         preflight_sweep(self, job_overrides, initial_job_idx)
-        stock = SubmititSlurmLauncher(**self.params)
+        stock = SubmititSlurmLauncher(**stock_parameters(self.params))
         stock.setup(hydra_context=self.hydra_context, task_function=self.task_function,
                     config=self.config)
         return stock.launch(job_overrides, initial_job_idx)

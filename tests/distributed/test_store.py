@@ -13,6 +13,7 @@ import torch.multiprocessing as mp
 from automodel.distributed.store import bind_address
 from tests.helpers import BASE, ON_CPU, listening_sockets
 
+
 @pytest.mark.fast
 def test_bind_address_prefers_a_routable_address_and_never_binds_loopback_across_nodes():
     assert bind_address("node1", ["10.0.0.5"], spans_nodes=True) == ("10.0.0.5", "")

@@ -51,10 +51,18 @@ def _preempt_and_release(job_id, metrics, at_step=5):
     assert len(_records(metrics)) >= at_step, "the job never got going"
     for sig in ("TERM", "USR2"):  # SLURM's preemption notice, then submitit's signal
         subprocess.run(["scancel", f"--signal={sig}", job_id], check=True)
-    deadline = time.time() + 120
+    release_when_requeued(job_id)
+
+
+def release_when_requeued(job_id, timeout=120):
+    """Wait for ``job_id``'s first requeue, then skip SLURM's hold of the requeued job."""
+    deadline = time.time() + timeout
     while time.time() < deadline:  # wait for the requeue, then skip SLURM's hold
         state, restarts = _state(job_id)
         if restarts >= 1 and state == "PENDING":
+            # (slurmd refuses to start a job again within the second its old run's credential
+            # was revoked: "Job credential revoked"; SLURM's own hold is two minutes)
+            time.sleep(2)
             subprocess.run(["scontrol", "update", f"jobid={job_id}", "StartTime=now"],
                            check=True)
             return
@@ -158,3 +166,25 @@ def test_a_failing_rank_names_its_root_cause(tmp_path):
     assert re.search(r"SLURM job \d+ failed.*; rank 1 failed during step 2: ValueError: injected "
                      r"root cause at step 2 \(raised as RuntimeError: injected wrapper\)",
                      out.stderr), out.stderr
+
+
+def test_requeue_is_bounded_and_a_job_failing_again_is_reported_failed(tmp_path):
+    """``--requeue 1`` and a rank that dies at step 3 of every run: the job script requeues the
+    job once; the requeued run (resumed from step 2) dies again, is not requeued a second
+    time, and ends FAILED (the job script keeps srun's exit code), named as before."""
+    out = tmp_path / "job"
+    env = dict(os.environ, AUTOMODEL_FAULTS="kill@3:1")
+    launcher = subprocess.Popen(LAUNCHER + ["--wait", "--tasks-per-node", "2", "--requeue", "1",
+                                            "--output-dir", str(out), "checkpoint.every_steps=2",
+                                            "distributed.timeout_minutes=10"] + JOB,
+                                cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+    job_id = re.search(r"submitted SLURM job (\d+)", launcher.stdout.readline()).group(1)
+    release_when_requeued(job_id, timeout=180)
+    _, stderr = launcher.communicate(timeout=300)
+    assert launcher.returncode == 1, stderr
+    assert re.search(r"SLURM job \d+ failed: rank 1 on localhost ended first \(Killed\)", stderr)
+    assert _final_state(job_id) == ("FAILED", 1)
+    assert [r["step"] for r in _records(out / "metrics.jsonl")] == [1, 2]  # twice to step 2
+    log = (out / "train.log").read_text()
+    assert re.search(r"SLURM requeued this job \(restart 1\): resuming", log), log

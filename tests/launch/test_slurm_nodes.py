@@ -6,9 +6,11 @@ first node's address.
 Without that partition these tests skip, except under CI, where they fail with the reason
 (``scripts/slurm_cluster.sh start`` says why it could not make the namespaces)."""
 
+import json
 import os
 import re
 import subprocess
+import sys
 import time
 
 import numpy as np
@@ -41,17 +43,23 @@ TWO_NODES = ["hydra/launcher=slurm", "hydra.launcher.partition=two", "hydra.laun
              "hydra.launcher.tasks_per_node=2"]
 
 
-def test_fsdp2_and_hsdp_on_two_nodes_match_the_local_four_rank_runs(tmp_path):
+@pytest.fixture(scope="module")
+def local(tmp_path_factory):
+    """metrics.jsonl of FSDP2 and of HSDP (2 x 2) on 4 local ranks."""
+    found = {}
+    for name in ("fsdp2", "hsdp"):
+        where = tmp_path_factory.mktemp(name)
+        out = run([f"parallelism={name}", "mesh.dp_size=4"] + BASE, where)
+        assert out.returncode == 0, out.stderr
+        [found[name]] = metrics_files(where)
+    return found
+
+
+def test_fsdp2_and_hsdp_on_two_nodes_match_the_local_four_rank_runs(local, tmp_path):
     """2 nodes x 2 tasks: FSDP2 over the 4 ranks, and HSDP replicating across the nodes and
     sharding within each: the same losses and grad norms as the same layouts on 4 local
     ranks; the log says which ranks ran on which node, and each node's ranks reached the
     first node's address (not 127.0.0.1)."""
-    local = {}
-    for name in ("fsdp2", "hsdp"):
-        (tmp_path / name).mkdir()
-        out = run([f"parallelism={name}", "mesh.dp_size=4"] + BASE, tmp_path / name)
-        assert out.returncode == 0, out.stderr
-        [local[name]] = metrics_files(tmp_path / name)
     sweep = run(["-m", *TWO_NODES, "parallelism=fsdp2,hsdp", "mesh.dp_size=4",
                  f"hydra.sweep.dir={tmp_path}/sweep"] + BASE, tmp_path, timeout=900)
     assert sweep.returncode == 0, sweep.stderr
@@ -78,6 +86,43 @@ def test_a_node_lost_mid_run_ends_the_job_promptly_and_is_named(tmp_path):
     assert re.search(r"SLURM job \d+ failed: rank [23](-3)? on node2 ended first \(Killed\)",
                      out.stderr), out.stderr
     assert elapsed < 240, f"{elapsed:.0f} s"
+
+
+def test_a_node_lost_with_requeue_on_resumes_and_ends_like_the_uninterrupted_run(local,
+                                                                                 tmp_path):
+    """node2's ranks die at step 3 of the first run (checkpoints every 2 steps); with
+    ``hydra.launcher.requeue=1`` the job script requeues the job, which resumes from step 2's
+    checkpoint on both nodes and ends with the losses and grad norms of the uninterrupted
+    4-rank run."""
+    from tests.launch.test_slurm_faults import release_when_requeued
+
+    sweep = tmp_path / "sweep"
+    env = dict(os.environ, AUTOMODEL_FAULTS="kill@3:2/0,kill@3:3/0")
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "train.py"), "-m", *TWO_NODES, "hydra.launcher.requeue=1",
+         f"hydra.sweep.dir={sweep}", "parallelism=fsdp2", "mesh.dp_size=4",
+         "checkpoint.every_steps=2"] + BASE,
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    found = []
+    while not found and time.time() < deadline:
+        found = list(sweep.glob(".submitit/*/*_submitted.pkl"))
+        time.sleep(0.3)
+    assert found, "the sweep submitted no job"
+    job_id = found[0].name.split("_")[0]
+    release_when_requeued(job_id, timeout=300)
+    _, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 0, stderr
+    got = sweep / "0" / "metrics.jsonl"
+    assert [r["step"] for r in map(json.loads, got.read_text().splitlines())] == [1, 2, 3, 4, 5]
+    np.testing.assert_allclose(losses(got), losses(local["fsdp2"]), rtol=1e-6)
+    np.testing.assert_allclose(grad_norms(got), grad_norms(local["fsdp2"]), rtol=1e-5)
+    log = (sweep / "0" / "train.log").read_text()
+    assert re.search(r"SLURM requeued this job \(restart 1\): resuming", log), log
+    batch_log = (sweep / ".submitit" / job_id / f"{job_id}_0_log.err").read_text()
+    assert re.search(r"srun: error: node2: tasks? 2(-3)?: Killed", batch_log), batch_log
+    assert (f"requeueing SLURM job {job_id} (requeue 1 of 1): it resumes from its last "
+            "complete checkpoint") in batch_log, batch_log
 
 
 def test_two_node_jobs_are_checked_before_submission(tmp_path):
