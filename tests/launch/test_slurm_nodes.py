@@ -6,17 +6,19 @@ first node's address.
 Without that partition these tests skip, except under CI, where they fail with the reason
 (``scripts/slurm_cluster.sh start`` says why it could not make the namespaces)."""
 
+import contextlib
 import json
 import os
 import re
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
 import pytest
 
-from tests.cli.test_cli import QUICK, ROOT, metrics_files, run
+from tests.cli.test_cli import QUICK, ROOT, cli_args, metrics_files, run
 from tests.helpers import BASE
 from tests.launch.test_slurm import LAUNCHER, grad_norms, losses, require_cluster
 
@@ -55,14 +57,44 @@ def local(tmp_path_factory):
     return found
 
 
+@contextlib.contextmanager
+def _listeners():
+    """Yields a set that receives (node, local address:port) of every listening socket a
+    Python process holds in node1's or node2's namespace, polled while the block runs."""
+    seen: set = set()
+    done = threading.Event()
+
+    def poll():
+        while not done.is_set():
+            for node in ("node1", "node2"):
+                out = subprocess.run(["ip", "netns", "exec", f"amslurm-{node}", "ss", "-ltnpH"],
+                                     capture_output=True, text=True).stdout
+                seen.update((node, line.split()[3]) for line in out.splitlines()
+                            if "python" in line)
+            time.sleep(0.2)
+
+    thread = threading.Thread(target=poll, daemon=True)
+    thread.start()
+    try:
+        yield seen
+    finally:
+        done.set()
+        thread.join()
+
+
 def test_fsdp2_and_hsdp_on_two_nodes_match_the_local_four_rank_runs(local, tmp_path):
     """2 nodes x 2 tasks: FSDP2 over the 4 ranks, and HSDP replicating across the nodes and
     sharding within each: the same losses and grad norms as the same layouts on 4 local
     ranks; the log says which ranks ran on which node, and each node's ranks reached the
-    first node's address (not 127.0.0.1)."""
-    sweep = run(["-m", *TWO_NODES, "parallelism=fsdp2,hsdp", "mesh.dp_size=4",
-                 f"hydra.sweep.dir={tmp_path}/sweep"] + BASE, tmp_path, timeout=900)
+    first node's address (not 127.0.0.1). Every port the ranks listen on is bound to their
+    node's address on the virtual network, none to every interface."""
+    with _listeners() as seen:
+        sweep = run(["-m", *TWO_NODES, "parallelism=fsdp2,hsdp", "mesh.dp_size=4",
+                     f"hydra.sweep.dir={tmp_path}/sweep"] + BASE, tmp_path, timeout=900)
     assert sweep.returncode == 0, sweep.stderr
+    assert {node for node, _ in seen} == {"node1", "node2"}, seen  # (the poll saw both)
+    own = {"node1": "10.210.0.11", "node2": "10.210.0.12"}
+    assert all(address.rsplit(":", 1)[0] == own[node] for node, address in seen), seen
     for job, name in (("0", "fsdp2"), ("1", "hsdp")):
         log = (tmp_path / "sweep" / job / "train.log").read_text()
         assert "ranks 0-1 on node1, ranks 2-3 on node2" in log, log
@@ -71,6 +103,36 @@ def test_fsdp2_and_hsdp_on_two_nodes_match_the_local_four_rank_runs(local, tmp_p
         assert len(losses(got)) == 5
         np.testing.assert_allclose(losses(got), losses(local[name]), rtol=1e-6)
         np.testing.assert_allclose(grad_norms(got), grad_norms(local[name]), rtol=1e-5)
+
+
+def _on_node(node: str, command: list) -> list:
+    """``command`` run as on ``node``: in its network namespace, with its hostname (as the
+    cluster script starts its slurmd)."""
+    return ["nsenter", f"--net=/run/netns/amslurm-{node}", "unshare", "--uts", "sh", "-c",
+            f'hostname {node} && exec "$@"', "sh", *command]
+
+
+def test_torchrun_across_the_two_nodes_matches_the_local_four_rank_run(local, tmp_path):
+    """torchrun on node1 and on node2 (2 ranks each), meeting at node1's c10d rendezvous over
+    the virtual network: the same losses and grad norms as FSDP2 on 4 local ranks, node1's
+    ranks first."""
+    port = str(29400 + os.getpid() % 500)
+    out = tmp_path / "out"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+                "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                f"node1:{port}", "--rdzv-id", f"two-nodes-{port}", str(ROOT / "train.py")]
+    args = cli_args(["parallelism=fsdp2", "mesh.dp_size=4", f"hydra.run.dir={out}"] + BASE)
+    procs = [subprocess.Popen(_on_node(node, torchrun + args), cwd=tmp_path,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for node in ("node2", "node1")]  # (the order they join does not decide the ranks)
+    outputs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n\n".join(o[-3000:] for o in outputs)
+    np.testing.assert_allclose(losses(out / "metrics.jsonl"), losses(local["fsdp2"]), rtol=1e-6)
+    np.testing.assert_allclose(grad_norms(out / "metrics.jsonl"), grad_norms(local["fsdp2"]),
+                               rtol=1e-5)
+    log = (out / "train.log").read_text()
+    assert "ranks 0-1 on node1, ranks 2-3 on node2" in log, log
+    assert "rendezvous at node1:" in log, log
 
 
 def test_a_node_lost_mid_run_ends_the_job_promptly_and_is_named(tmp_path):
