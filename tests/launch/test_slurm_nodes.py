@@ -114,15 +114,16 @@ def _on_node(node: str, command: list) -> list:
 
 def test_torchrun_across_the_two_nodes_matches_the_local_four_rank_run(local, tmp_path):
     """torchrun on node1 and on node2 (2 ranks each), meeting at node1's c10d rendezvous over
-    the virtual network: the same losses and grad norms as FSDP2 on 4 local ranks, node1's
-    ranks first."""
+    the virtual network, gloo told its interface (``GLOO_SOCKET_IFNAME``): the same losses and
+    grad norms as FSDP2 on 4 local ranks, node1's ranks first."""
     port = str(29400 + os.getpid() % 500)
     out = tmp_path / "out"
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
                 "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
                 f"node1:{port}", "--rdzv-id", f"two-nodes-{port}", str(ROOT / "train.py")]
     args = cli_args(["parallelism=fsdp2", "mesh.dp_size=4", f"hydra.run.dir={out}"] + BASE)
-    procs = [subprocess.Popen(_on_node(node, torchrun + args), cwd=tmp_path,
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="am0")  # (the node's virtual network card)
+    procs = [subprocess.Popen(_on_node(node, torchrun + args), cwd=tmp_path, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for node in ("node2", "node1")]  # (the order they join does not decide the ranks)
     outputs = [p.communicate(timeout=600)[0] for p in procs]
