@@ -99,6 +99,7 @@ def test_fsdp2_and_hsdp_on_two_nodes_match_the_local_four_rank_runs(local, tmp_p
         log = (tmp_path / "sweep" / job / "train.log").read_text()
         assert "ranks 0-1 on node1, ranks 2-3 on node2" in log, log
         assert "rendezvous at node1:" in log, log
+        assert "spans nodes" not in log + sweep.stderr  # (HSDP: shard groups within a node)
         got = tmp_path / "sweep" / job / "metrics.jsonl"
         assert len(losses(got)) == 5
         np.testing.assert_allclose(losses(got), losses(local[name]), rtol=1e-6)
