@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from automodel.api import load_config
     from automodel.config.build import ConfigError
-    from automodel.launch.slurm import requeue_parameters, submit_env
+    from automodel.launch.slurm import job_states_refreshed, requeue_parameters, submit_env
 
     output_dir = str(Path(args.output_dir or Path("outputs") / "slurm" /
                           datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")).absolute())
@@ -159,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.wait:
         return 0
     try:
-        records = job.results()[0]
+        with job_states_refreshed():
+            records = job.results()[0]
     except Exception as err:  # submitit raises with the job's state and log paths
         first = first_failed_task(str(job.paths.stderr))
         report = rank_report(Path(job.paths.stderr).parent, str(job.job_id), first)

@@ -8,8 +8,12 @@ asking SLURM for more.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import threading
+
+log = logging.getLogger(__name__)
 
 
 def submit_env(nodes: int, tasks_per_node: int) -> dict:
@@ -79,3 +83,29 @@ def requeue_follows() -> bool:
     fails now (fewer requeues so far than allowed)."""
     allowed = int(os.environ.get(REQUEUE_ENV, 0) or 0)
     return int(os.environ.get("SLURM_RESTART_COUNT", 0) or 0) < allowed
+
+
+@contextlib.contextmanager
+def job_states_refreshed(every_s: float = 10.0):
+    """While the block waits on submitit jobs, ask SLURM for their states every ``every_s``
+    seconds (one ``sacct`` for all of them). submitit's own checks back off to half the time
+    since the last submission, up to 10 minutes, so a job that failed after an hour was seen
+    up to half an hour late (a job that succeeds is seen at once: its result files)."""
+    from submitit.slurm.slurm import SlurmJob
+
+    done = threading.Event()
+
+    def refresh():
+        while not done.wait(every_s):
+            try:
+                SlurmJob.watcher.update()
+            except Exception as err:  # (the next wait, or submitit's own check, tries again)
+                log.debug("refreshing the SLURM job states failed: %s", err)
+
+    thread = threading.Thread(target=refresh, name="slurm-job-states", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()

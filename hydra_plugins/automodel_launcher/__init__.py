@@ -35,9 +35,11 @@ class SlurmLauncher(SubmititSlurmLauncher):
 
     def launch(self, job_overrides, initial_job_idx):
         from automodel.launch.hydra_slurm import preflight_sweep, stock_parameters
+        from automodel.launch.slurm import job_states_refreshed
 
         preflight_sweep(self, job_overrides, initial_job_idx)
         stock = SubmititSlurmLauncher(**stock_parameters(self.params))
         stock.setup(hydra_context=self.hydra_context, task_function=self.task_function,
                     config=self.config)
-        return stock.launch(job_overrides, initial_job_idx)
+        with job_states_refreshed():  # (the stock launcher submits, then waits for the jobs)
+            return stock.launch(job_overrides, initial_job_idx)

@@ -44,3 +44,27 @@ def test_a_fault_can_be_kept_to_one_run_of_a_requeued_job():
     assert Faults(1, text, restart=0).faults == []
     with pytest.raises(ValueError, match=r"kind@step\[:rank\]\[/restart\]"):
         parse("kill@3:2/x,boom@1")
+
+
+def test_a_waiting_launcher_asks_slurm_for_the_job_states_at_a_steady_pace():
+    """submitit backs off to one state check per 10 minutes; while automodel's launchers wait,
+    a thread asks every ``every_s`` (so a job lost after hours is reported within seconds)."""
+    import time
+
+    from submitit.slurm.slurm import SlurmJob
+
+    from automodel.launch.slurm import job_states_refreshed
+
+    watcher = SlurmJob.watcher
+    watcher.register_job("999999")  # (not a job of this cluster: sacct answers nothing)
+    try:
+        before = watcher.num_calls
+        with job_states_refreshed(every_s=0.05):
+            time.sleep(0.5)
+        assert watcher.num_calls - before >= 3
+        calls = watcher.num_calls
+        time.sleep(0.2)
+        assert watcher.num_calls == calls  # (the thread ended with the block)
+    finally:
+        watcher.clear()
+        watcher._registered.discard("999999")

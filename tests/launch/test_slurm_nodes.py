@@ -205,10 +205,12 @@ def test_two_node_jobs_are_checked_before_submission(tmp_path):
                f"hydra.sweep.dir={sweep}"] + QUICK, tmp_path)
     refused(out, "sweep job #0 (", "refused before anything was submitted", NO_SUCH_MODULE)
     assert not (sweep / ".submitit").exists() and jobs_started_in(tmp_path) == []
-    out = run(["--wait", "--nodes", "2", "--tasks-per-node", "2", "--partition", "two",
+    out = run(["--nodes", "2", "--tasks-per-node", "2", "--partition", "two",
                "--output-dir", str(tmp_path / "tp4"), "parallelism=fsdp2", "mesh.tp_size=4",
                "mesh.dp_size=1", "model.config.num_key_value_heads=4"] + QUICK, ROOT,
               cmd=LAUNCHER, timeout=600)
     assert out.returncode == 0, out.stderr  # (a warning: the layout runs, only slower)
     assert "mesh axis tp spans nodes (ranks 0-1 on node 0, ranks 2-3 on node 1)" in out.stderr, \
         out.stderr
+    job_id = re.search(r"submitted SLURM job (\d+)", out.stdout).group(1)  # (it was queued)
+    subprocess.run(["scancel", job_id], check=True)
