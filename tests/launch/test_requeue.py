@@ -68,3 +68,10 @@ def test_a_waiting_launcher_asks_slurm_for_the_job_states_at_a_steady_pace():
     finally:
         watcher.clear()
         watcher._registered.discard("999999")
+
+
+def test_the_option_reference_documents_requeue():
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "options.md").read_text()
+    assert "| `hydra.launcher.requeue` | int | 0 |" in text
