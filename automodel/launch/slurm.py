@@ -1,4 +1,5 @@
-"""Ranks started by SLURM: each srun task is one rank.
+"""Ranks started by SLURM: each srun task is one rank; and the SLURM job around them (its
+requeue after a failure, the submitter's wait for it).
 
 Under srun (a submitit job, or several tasks) torchrun is never used: rank, world size,
 local rank and the rendezvous address come from SLURM's environment through
@@ -90,7 +91,7 @@ def job_states_refreshed(every_s: float = 10.0):
     """While the block waits on submitit jobs, ask SLURM for their states every ``every_s``
     seconds (one ``sacct`` for all of them). submitit's own checks back off to half the time
     since the last submission, up to 10 minutes, so a job that failed after an hour was seen
-    up to half an hour late (a job that succeeds is seen at once: its result files)."""
+    up to 10 minutes late (a job that succeeds is seen at once: its result files)."""
     from submitit.slurm.slurm import SlurmJob
 
     done = threading.Event()
