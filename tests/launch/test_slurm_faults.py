@@ -54,6 +54,17 @@ def _preempt_and_release(job_id, metrics, at_step=5):
     release_when_requeued(job_id)
 
 
+def sweep_job_id(sweep, timeout=120) -> str:
+    """The SLURM job id of the first job a Hydra sweep into ``sweep`` submits (waits for it)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        found = list(sweep.glob(".submitit/*/*_submitted.pkl"))
+        if found:
+            return found[0].name.split("_")[0]
+        time.sleep(0.3)
+    raise AssertionError("the sweep submitted no job")
+
+
 def release_when_requeued(job_id, timeout=120):
     """Wait for ``job_id``'s first requeue, then skip SLURM's hold of the requeued job."""
     deadline = time.time() + timeout
@@ -115,13 +126,7 @@ def test_preempted_hydra_sweep_job_resumes(uninterrupted, tmp_path):
                              "hydra.launcher.tasks_per_node=2", f"hydra.sweep.dir={sweep}"] + JOB,
                             cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
-    deadline = time.time() + 120
-    job_id = None
-    while job_id is None and time.time() < deadline:
-        found = list(sweep.glob(".submitit/*/*_submitted.pkl"))
-        job_id = found[0].name.split("_")[0] if found else None
-        time.sleep(0.3)
-    assert job_id, "the sweep submitted no job"
+    job_id = sweep_job_id(sweep)
     _preempt_and_release(job_id, sweep / "0" / "metrics.jsonl")
     stdout, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 0, stderr

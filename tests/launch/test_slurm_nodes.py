@@ -158,7 +158,7 @@ def test_a_node_lost_with_requeue_on_resumes_and_ends_like_the_uninterrupted_run
     ``hydra.launcher.requeue=1`` the job script requeues the job, which resumes from step 2's
     checkpoint on both nodes and ends with the losses and grad norms of the uninterrupted
     4-rank run."""
-    from tests.launch.test_slurm_faults import release_when_requeued
+    from tests.launch.test_slurm_faults import release_when_requeued, sweep_job_id
 
     sweep = tmp_path / "sweep"
     env = dict(os.environ, AUTOMODEL_FAULTS="kill@3:2/0,kill@3:3/0")
@@ -167,13 +167,7 @@ def test_a_node_lost_with_requeue_on_resumes_and_ends_like_the_uninterrupted_run
          f"hydra.sweep.dir={sweep}", "parallelism=fsdp2", "mesh.dp_size=4",
          "checkpoint.every_steps=2"] + BASE,
         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 120
-    found = []
-    while not found and time.time() < deadline:
-        found = list(sweep.glob(".submitit/*/*_submitted.pkl"))
-        time.sleep(0.3)
-    assert found, "the sweep submitted no job"
-    job_id = found[0].name.split("_")[0]
+    job_id = sweep_job_id(sweep)
     release_when_requeued(job_id, timeout=300)
     _, stderr = proc.communicate(timeout=600)
     assert proc.returncode == 0, stderr
