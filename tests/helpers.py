@@ -167,3 +167,22 @@ def listening_sockets(pid: str = "self") -> list[str]:
             else:
                 found.append(f"{ipaddress.IPv4Address(raw[::-1])}:{int(hex_port, 16)}")
     return sorted(found)
+
+
+def chat_records(n: int = 64) -> list:
+    """Chat records (a ``messages`` list each) of a tiny arithmetic dialogue."""
+    return [{"messages": [{"role": "user", "content": f"what is {i} plus {i}"},
+                          {"role": "assistant", "content": f"it is {2 * i}"}]} for i in range(n)]
+
+
+def save_chat_tokenizer(path, records):
+    """A word-level tokenizer of ``records``' words with a chat template (what a ``-Instruct``
+    checkpoint carries), saved to ``path``."""
+    from tests.data.test_data import _save_word_tokenizer
+
+    words = [" ".join(m["content"] for m in r["messages"]) for r in records]
+    tok = _save_word_tokenizer(path, words + ["user assistant system"])
+    tok.chat_template = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }} "
+                         "{% endfor %}{% if add_generation_prompt %}assistant {% endif %}")
+    tok.save_pretrained(path)
+    return tok

@@ -29,6 +29,7 @@ def eight_gpus(monkeypatch):
     """This machine reports 8 NVIDIA GPUs, to config resolution and to torch.cuda (mocked)."""
     monkeypatch.setattr(PROBE, lambda: 8)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
 
 
 TORCHRUN = {"TORCHELASTIC_RUN_ID": "r", "RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",

@@ -33,9 +33,10 @@ RECIPES = "docs/recipes.md"
 
 # Placeholder -> fixture path (relative to the fixture folder), per document. "*" applies to all.
 PLACEHOLDERS = {
-    "*": {"$LLAMA3_8B": "llama3_8b", "$QWEN3_30B_A3B": "qwen3_30b_a3b", "$DATA": "data",
-          "$EXP": "exp"},
-    "README.md": {"outputs/.../checkpoints/step_00000300": "exp/checkpoints/step_00000300"},
+    "*": {"$LLAMA_8B_INSTRUCT": "llama3_1_8b", "$LLAMA_70B_INSTRUCT": "llama3_1_70b",
+          "$QWEN3_30B_A3B": "qwen3_30b_a3b", "$DATA": "data", "$EXP": "exp"},
+    "docs/checkpoints.md": {"outputs/.../checkpoints/step_00000300":
+                            "exp/checkpoints/step_00000300"},
     "docs/data.md": {"/data/my_corpus": "data/my_corpus", "/models/my_tokenizer": "tokenizer",
                      "/data/shards/*.parquet": "data/shards/*.parquet",
                      "/data/sft.jsonl": "data/sft.jsonl", "/data/tokens.npy": "data/tokens.npy",
@@ -50,17 +51,25 @@ ELLIPSIS = "..."
 EXPECTED_ERRORS = {
     "parallelism=ddp parallelism.bucket_cap=25": "Did you mean 'parallelism.bucket_cap_mb'",
 }
-# Real sizes (Hugging Face config.json of meta-llama/Meta-Llama-3-8B and Qwen/Qwen3-30B-A3B).
-LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                 num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                 max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5,
-                 bos_token_id=128000, eos_token_id=128001, tie_word_embeddings=False)
+# Real sizes (Hugging Face config.json of meta-llama/Llama-3.1-8B-Instruct, -70B-Instruct and
+# Qwen/Qwen3-30B-A3B).
+LLAMA3_1 = dict(vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0,
+                rms_norm_eps=1e-5, bos_token_id=128000, eos_token_id=[128001, 128008, 128009],
+                tie_word_embeddings=False, num_key_value_heads=8,
+                rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+LLAMA3_1_8B = dict(LLAMA3_1, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                   num_attention_heads=32)
+LLAMA3_1_70B = dict(LLAMA3_1, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                    num_attention_heads=64)
 QWEN3_30B_A3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
                      moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32,
                      num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
                      max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
                      tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151645)
-REAL_PARAMETERS = {"llama3_8b": 8.03e9, "qwen3_30b_a3b": 30.5e9}
+REAL_PARAMETERS = {"llama3_1_8b": 8.03e9, "llama3_1_70b": 70.6e9, "qwen3_30b_a3b": 30.5e9}
+# The batch scripts docs/recipes.md shows, each verbatim from its file
+SCRIPTS = ROOT / "examples" / "slurm"
 
 
 @dataclass
@@ -203,16 +212,13 @@ def doc_files(tmp_path_factory):
     from transformers import AutoConfig, LlamaConfig, Qwen3MoeConfig
 
     from automodel.api import load_config
-    from tests.data.test_data import _save_word_tokenizer
+    from tests.helpers import chat_records, save_chat_tokenizer
 
     root = tmp_path_factory.mktemp("doc_files")
-    chat = [{"messages": [{"role": "user", "content": f"what is {i} plus {i}"},
-                          {"role": "assistant", "content": f"it is {2 * i}"}]} for i in range(64)]
-    words = [" ".join(m["content"] for m in r["messages"]) for r in chat]
-    tok = _save_word_tokenizer(root / "tokenizer", words + ["user assistant system"])
-    tok.chat_template = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }} "
-                         "{% endfor %}{% if add_generation_prompt %}assistant {% endif %}")
-    for name, config in (("llama3_8b", LlamaConfig(**LLAMA3_8B)),
+    chat = chat_records()
+    tok = save_chat_tokenizer(root / "tokenizer", chat)
+    for name, config in (("llama3_1_8b", LlamaConfig(**LLAMA3_1_8B)),
+                         ("llama3_1_70b", LlamaConfig(**LLAMA3_1_70B)),
                          ("qwen3_30b_a3b", Qwen3MoeConfig(**QWEN3_30B_A3B))):
         config.save_pretrained(root / name)
         tok.save_pretrained(root / name)
@@ -317,12 +323,19 @@ def test_the_docs_have_commands():
     """The collection finds what the docs hold (a parser that finds nothing checks nothing)."""
     where = {c.doc for c in COMMANDS}
     assert {"README.md", RECIPES, "docs/data.md", "docs/mixture_of_experts.md"} <= where
-    recipes = [c for c in COMMANDS if c.doc == RECIPES]
-    assert [c.launcher for c in recipes] == ["srun", "submitter", "srun", "srun"]
-    assert all(c.world == 16 and c.gpus_per_node == 8 for c in recipes)
+    recipes = [c for c in COMMANDS if c.doc == RECIPES and c.launcher != "plan"]
+    assert [c.launcher for c in recipes] == ["srun", "submitter", "srun", "srun", "srun"]
+    assert [c.world for c in recipes] == [16, 16, 16, 16, 32]
+    assert all(c.gpus_per_node == 8 for c in recipes)
+    plans = [c for c in COMMANDS if c.doc == RECIPES and c.launcher == "plan"]
+    assert len(plans) == len(list(SCRIPTS.glob("*.sbatch")))  # one plan.py line per script
     kinds = {c.launcher for c in COMMANDS}
     assert {"local", "torchrun", "srun", "submitter", "plan"} <= kinds
-    assert {c.doc for c in COMMANDS if c.launcher == "plan"} >= {"README.md", "docs/planning.md"}
+    assert {"local", "torchrun"} <= {c.launcher for c in COMMANDS if c.doc == "README.md"}
+    assert {c.doc for c in COMMANDS if c.launcher == "plan"} >= {"docs/planning.md"}
+    slurm = [c for c in COMMANDS if c.doc == "docs/slurm.md"]
+    assert {"submitter", "torchrun"} <= {c.launcher for c in slurm}
+    assert any(c.text.startswith("python -m launchers.slurm") for c in slurm)
     sweep = next(c for c in COMMANDS if "parallelism=ddp,fsdp2 optim.lr" in c.text)
     assert len(jobs(sweep.args)) == 4
 
@@ -341,19 +354,47 @@ def test_doc_command_validates(cmd, doc_files, tmp_path, monkeypatch):
         check(cmd, doc_files, tmp_path, monkeypatch)
 
 
+RECIPE_LAYOUTS = {  # (pp, dp_replicate, dp_shard, tp, ep) of each recipe, as its text says
+    "llama3_1_8b": {(1, 2, 8, 1, 1), (2, 1, 1, 8, 1)},
+    "llama3_1_70b": {(4, 1, 2, 4, 1)},
+    "qwen3_30b_a3b": {(1, 1, 16, 1, 8)},
+}
+
+
 @pytest.mark.fast
-@pytest.mark.parametrize("cmd", [c for c in COMMANDS if c.doc == RECIPES],
+@pytest.mark.parametrize("cmd", [c for c in COMMANDS if c.doc == RECIPES and c.launcher != "plan"],
                          ids=lambda c: c.where)
 def test_recipe_passes_preflight(cmd, doc_files, tmp_path, monkeypatch):
     """A recipe resolves in its SLURM environment to the layout its text describes, passes the
-    preflight, and its model (on the meta device) has the real size."""
+    preflight, and its model (on the meta device) has the real size. The preflight sees a CUDA
+    build of torch (mocked: this machine's is a CPU build, which the preflight refuses where
+    the job has GPUs; tests/launch/test_slurm_env.py tests that refusal)."""
     from automodel.models.builder import build_meta_model
 
+    monkeypatch.setattr("automodel.launch.support.torch_build", lambda: ("2.13.0+cu128", True))
     (cfg,) = check(cmd, doc_files, tmp_path, monkeypatch)
     lay = cfg.layout
-    assert lay.world_size == 16
-    layout = (lay.pp, lay.dp_replicate, lay.dp_shard, lay.tp, lay.ep)
-    assert layout in {(1, 2, 8, 1, 1), (2, 1, 1, 8, 1), (1, 1, 16, 1, 8)}, layout
+    assert lay.world_size == cmd.world
     name = Path(cfg.model.pretrained_path).name
+    layout = (lay.pp, lay.dp_replicate, lay.dp_shard, lay.tp, lay.ep)
+    assert layout in RECIPE_LAYOUTS[name], layout
     params = sum(p.numel() for p in build_meta_model(cfg.model).parameters())
     assert params == pytest.approx(REAL_PARAMETERS[name], rel=0.01)
+
+
+def _recipe_blocks() -> dict:
+    """{file named just before a bash block of docs/recipes.md: the block's text}."""
+    text = (ROOT / RECIPES).read_text()
+    return {m.group(1): m.group(2) for m in re.finditer(
+        r"`(examples/slurm/[\w.]+\.sbatch)`[^`]*?:\n\n```bash\n(.*?)```", text, re.S)}
+
+
+@pytest.mark.fast
+def test_the_recipes_show_their_batch_scripts_verbatim():
+    """Each batch script of examples/slurm is on docs/recipes.md as it is in its file (the
+    file is what users submit and tests/launch/test_recipes_slurm.py runs)."""
+    blocks = _recipe_blocks()
+    files = {str(p.relative_to(ROOT)) for p in SCRIPTS.glob("*.sbatch")}
+    assert set(blocks) == files, (sorted(blocks), sorted(files))
+    for name, block in blocks.items():
+        assert block == (ROOT / name).read_text(), f"{RECIPES} shows {name} otherwise"

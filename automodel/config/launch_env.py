@@ -8,6 +8,8 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional
 
+from automodel.config.slurm_env import slurm_task
+
 
 @dataclass
 class LaunchEnv:
@@ -17,6 +19,8 @@ class LaunchEnv:
     rank: int = 0
     restarts: int = 0  # how often SLURM requeued this job (it then resumes by itself)
     gpus: int = 0  # CUDA GPUs visible to this process (visible_gpu_count)
+    local_rank: int = 0  # this rank's place on its node (torchrun, SLURM)
+    gpus_allocated: int = 0  # GPUs SLURM gave this node or task (slurm_gpus), seen or not
 
     @property
     def external(self) -> bool:
@@ -97,6 +101,7 @@ def detect_launch_env(env: Mapping[str, str],
     """``gpu_probe``: counts the machine's GPUs (see ``visible_gpu_count``)."""
     launch = _launcher(env)
     launch.gpus = visible_gpu_count(env, gpu_probe)
+    launch.gpus_allocated = slurm_gpus(env)
     return launch
 
 
@@ -104,12 +109,44 @@ def _launcher(env: Mapping[str, str]) -> LaunchEnv:
     if "TORCHELASTIC_RUN_ID" in env or ("RANK" in env and "WORLD_SIZE" in env
                                         and "MASTER_ADDR" in env):
         return LaunchEnv("torchrun", int(env["WORLD_SIZE"]),
-                         int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])), int(env["RANK"]))
-    # srun tasks (several, or a submitit job): every task is one rank.
+                         int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])), int(env["RANK"]),
+                         local_rank=int(env.get("LOCAL_RANK") or 0))
+    # srun tasks (several, or a submitit job): every task is one rank. (A batch script's own
+    # shell has no SLURM_STEP_ID: `python train.py` there starts local ranks.)
     ntasks = int(env.get("SLURM_STEP_NUM_TASKS", env.get("SLURM_NTASKS", "1")))
     if "SLURM_STEP_ID" in env and (ntasks > 1 or env.get("SUBMITIT_EXECUTOR") == "slurm"):
-        local = int(env.get("SLURM_STEP_TASKS_PER_NODE", env.get("SLURM_NTASKS_PER_NODE", "1"))
-                    .split("(")[0].split(",")[0])
-        return LaunchEnv("slurm", ntasks, local, int(env.get("SLURM_PROCID", "0")),
-                         int(env.get("SLURM_RESTART_COUNT") or 0))
+        task = slurm_task(env)
+        return LaunchEnv("slurm", task.world_size, task.local_world_size, task.rank,
+                         int(env.get("SLURM_RESTART_COUNT") or 0), local_rank=task.local_rank)
     return LaunchEnv("local")
+
+
+def slurm_gpus(env: Mapping[str, str]) -> int:
+    """GPUs SLURM allocated to this node or task (0 outside SLURM, or without GPUs):
+    ``SLURM_GPUS_ON_NODE``, else the ids of ``SLURM_STEP_GPUS`` / ``SLURM_JOB_GPUS``."""
+    on_node = env.get("SLURM_GPUS_ON_NODE", "")
+    if on_node.strip().isdigit():
+        return int(on_node)
+    for name in ("SLURM_STEP_GPUS", "SLURM_JOB_GPUS"):
+        ids = [i for i in env.get(name, "").split(",") if i.strip()]
+        if ids:
+            return len(ids)
+    return 0
+
+
+def cuda_device_index(visible: int, local_rank: int, local_world: int) -> int:
+    """The CUDA device a rank uses, given the GPUs it sees (``visible``), its local rank and
+    the ranks of its node. Ranks of a node that see all of its GPUs take ``cuda:LOCAL_RANK``; a
+    rank that sees exactly one GPU (SLURM's ``--gpus-per-task=1``, ``--gpu-bind=single:1``, a
+    container per rank) takes that one. Anything else would put two ranks on one GPU or a rank
+    on none: ``ValueError`` naming the counts and the fixes."""
+    if visible == 1:
+        return 0
+    if visible >= local_world and local_rank < visible:
+        return local_rank
+    raise ValueError(
+        f"local rank {local_rank} of the {local_world} ranks on this node sees {visible} "
+        "GPU(s) (CUDA_VISIBLE_DEVICES, the GPUs the launcher gave it): each rank needs either "
+        f"all of its node's GPUs, one per local rank (at least {local_world} visible, e.g. "
+        f"SLURM's --gpus-per-node={local_world}), or exactly one GPU of its own "
+        "(--gpus-per-task=1); or start one rank per GPU it sees")

@@ -49,14 +49,20 @@ class DistInfo:
                                    world_size=dist.get_world_size(group))
 
 
-def backend_and_device(backend: str | None, local_rank: int) -> tuple[str, torch.device]:
+def backend_and_device(backend: str | None, local_rank: int,
+                       local_world: int = 1) -> tuple[str, torch.device]:
     """The rank's backend and device: null means nccl where CUDA is available, else gloo;
-    ranks run on ``cuda:LOCAL_RANK`` under nccl only, on the CPU under any other backend
-    (so ``distributed.backend=gloo`` keeps a job on the CPU on a machine with GPUs)."""
+    ranks run on a GPU under nccl only, on the CPU under any other backend (so
+    ``distributed.backend=gloo`` keeps a job on the CPU on a machine with GPUs). Which GPU:
+    ``cuda:LOCAL_RANK`` where the node's ranks see all its GPUs, the one GPU a rank sees where
+    the launcher gave each rank its own (``launch_env.cuda_device_index``)."""
     use_cuda = torch.cuda.is_available()
     backend = backend or ("nccl" if use_cuda else "gloo")
     if use_cuda and backend == "nccl":
-        return backend, torch.device("cuda", local_rank)
+        from automodel.config.launch_env import cuda_device_index
+
+        index = cuda_device_index(torch.cuda.device_count(), local_rank, local_world)
+        return backend, torch.device("cuda", index)
     return backend, torch.device("cpu")
 
 
@@ -69,7 +75,8 @@ def init_distributed(backend: str | None, timeout_minutes: int, need_group: bool
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    backend, device = backend_and_device(backend, local_rank)
+    backend, device = backend_and_device(backend, local_rank,
+                                         int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     if device.type == "cuda":
         torch.cuda.set_device(device)
     timeout = datetime.timedelta(minutes=timeout_minutes)

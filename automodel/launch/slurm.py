@@ -1,9 +1,9 @@
 """Ranks started by SLURM: each srun task is one rank; and the SLURM job around them (its
 requeue after a failure, the submitter's wait for it).
 
-Under srun (a submitit job, or several tasks) torchrun is never used: rank, world size,
-local rank and the rendezvous address come from SLURM's environment through
-``submitit.helpers.TorchDistributedEnvironment``, so the same job scales to more nodes by
+Under srun (a plain ``srun python train.py`` in a batch script, or a submitit job) torchrun is
+never used: rank, world size, local rank and the rendezvous address and port come from SLURM's
+own variables (``automodel/config/slurm_env.py``), so the same job scales to more nodes by
 asking SLURM for more.
 """
 
@@ -25,10 +25,11 @@ def submit_env(nodes: int, tasks_per_node: int) -> dict:
 
 
 def export_rank_environment() -> None:
-    """Set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT from SLURM's variables."""
-    from submitit.helpers import TorchDistributedEnvironment
+    """Set RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT from
+    SLURM's variables (MASTER_ADDR and MASTER_PORT already set are kept)."""
+    from automodel.config.slurm_env import rank_environment
 
-    TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+    os.environ.update(rank_environment(os.environ))
 
 
 def quiet_non_zero_rank(rank: int) -> None:
@@ -50,8 +51,9 @@ def task_log_path() -> str:
         import submitit
 
         return str(submitit.JobEnvironment().paths.stderr)
-    except Exception:  # not a submitit job
-        return f"the log of SLURM job {os.environ.get('SLURM_JOB_ID', '?')}"
+    except Exception:  # not a submitit job: a plain srun in a batch script
+        job = os.environ.get("SLURM_JOB_ID", "?")
+        return f"the output of SLURM job {job} (sbatch --output; by default slurm-{job}.out)"
 
 
 REQUEUE_ENV = "AUTOMODEL_REQUEUE"  # the job's requeues after a failure (its tasks read it)

@@ -112,10 +112,13 @@ def _log_run(cfg: TrainConfig, setup: DistributedSetup, model, pipeline, num_sta
     micro = (f"{num_stages} pipeline stages, {pipeline.n_microbatches} micro-batches "
              "per schedule step" if pipeline is not None else
              f"{cfg.grad_accum_steps} micro-batch(es) per rank per step")
-    log.info("automodel: %s on %d rank(s) (dp=%d, cp=%d, tp=%d, pp=%d), %s with %.2fM "
+    lay = cfg.layout
+    more = (f"; dp_replicate={lay.dp_replicate} x dp_shard={lay.dp_shard}"
+            if lay.dp_replicate > 1 else "") + (f"; ep={lay.ep}" if lay.ep > 1 else "")
+    log.info("automodel: %s on %d rank(s) (dp=%d, cp=%d, tp=%d, pp=%d%s), %s with %.2fM "
              "parameters, %d steps of %d x %d tokens, %s, %s; output in %s",
              cfg.strategy.name, info.world_size, setup.dp_size, setup.size(MeshAxis.CP),
-             setup.size(MeshAxis.TP), setup.size(MeshAxis.PP),
+             setup.size(MeshAxis.TP), setup.size(MeshAxis.PP), more,
              type(model).__name__, n_params / 1e6, t.max_steps, t.global_batch_size, t.seq_len,
              micro, info.describe(), output_dir)
     if n_frozen:

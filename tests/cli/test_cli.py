@@ -143,10 +143,10 @@ def test_local_launch_and_torchrun_agree_with_one_output_dir_each(tmp_path):
 
 
 def test_readme_main_job_matches_its_golden_values_and_learns(tmp_path):
-    # The README's first command, minus the setup step (the test runs inside the venv), logging
-    # every step (logging changes no number): its first 5 steps are the stored default job's
-    # (tests/golden/default_job.json: the same job stopped at step 5), losses, gradient norms
-    # and learning rates; then it learns.
+    # The README's first laptop command ("Try it on a laptop: two commands"), minus the setup
+    # step (the test runs inside the venv), logging every step (logging changes no number):
+    # its first 5 steps are the stored default job's (tests/golden/default_job.json: the same
+    # job stopped at step 5), losses, gradient norms and learning rates; then it learns.
     out = run(["trainer.log_every=1"], tmp_path, timeout=600)
     assert out.returncode == 0, out.stderr
     [metrics] = metrics_files(tmp_path)

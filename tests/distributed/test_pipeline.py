@@ -117,7 +117,7 @@ def test_recv_buffer_pool_is_ignored_with_a_warning_for_other_schedules(referenc
 
 
 # ----------------------------------------------------------------- names -> torch classes
-README_SCHEDULES = {  # README: "Schedules and the torch class each runs"
+DOC_SCHEDULES = {  # the table of docs/pipeline.md, "Schedules" (checked below)
     "1f1b": "Schedule1F1B",
     "gpipe": "ScheduleGPipe",
     "interleaved": "ScheduleInterleaved1F1B",
@@ -135,11 +135,11 @@ PIPELINE_FILES = {"1f1b": "1f1b", "gpipe": "gpipe", "interleaved": "interleaved_
 
 
 @pytest.mark.fast
-@pytest.mark.parametrize("name,torch_class", sorted(README_SCHEDULES.items()))
-def test_schedule_name_runs_the_readme_torch_class(name, torch_class):
+@pytest.mark.parametrize("name,torch_class", sorted(DOC_SCHEDULES.items()))
+def test_schedule_name_runs_the_documented_torch_class(name, torch_class):
     from torch.distributed.pipelining import schedules
 
-    # the README's names are config-group names (interleaved) or pp_schedule values (DualPipeV)
+    # the doc's names are config-group names (interleaved) or pp_schedule values (DualPipeV)
     key = PIPELINE_FILES.get(name, name)
     spec = schedule_spec(key)
     assert spec.cls is getattr(schedules, torch_class), (name, spec.cls)
@@ -151,13 +151,26 @@ def test_schedule_name_runs_the_readme_torch_class(name, torch_class):
 
 
 @pytest.mark.fast
-def test_every_schedule_and_config_file_is_in_the_readme_table():
+def test_every_schedule_and_config_file_is_in_the_doc_table():
     from tests.cli.test_cli import ROOT
 
-    assert {PIPELINE_FILES.get(n, n).lower() for n in README_SCHEDULES} == set(SCHEDULES)
+    assert {PIPELINE_FILES.get(n, n).lower() for n in DOC_SCHEDULES} == set(SCHEDULES)
     assert set(SCHEDULES) == set(SCHEDULE_SHAPES)
     files = {p.stem for p in (ROOT / "conf" / "pipeline").glob("*.yaml")}
     assert files - {"none", "csv"} == set(PIPELINE_FILES)
+
+
+@pytest.mark.fast
+def test_the_pipeline_doc_lists_the_schedules():
+    """docs/pipeline.md's schedule table holds exactly these rows: name -> torch class."""
+    import re
+
+    from tests.cli.test_cli import ROOT
+
+    text = (ROOT / "docs" / "pipeline.md").read_text()
+    rows = re.findall(r"^\| `(?:pipeline\.pp_schedule=)?(\w+)` \| `(Schedule\w+)` \|", text,
+                      re.MULTILINE)
+    assert len(rows) == len(DOC_SCHEDULES) and dict(rows) == DOC_SCHEDULES, rows
 
 
 @pytest.mark.fast
@@ -169,4 +182,4 @@ def test_pipeline_config_file_selects_its_schedule(group, pp_schedule):
     assert compose(["parallelism=fsdp2", f"pipeline={group}"]).pipeline.pp_schedule == \
         pp_schedule
     assert canonical_schedule(pp_schedule) == pp_schedule
-    assert schedule_spec(pp_schedule).cls.__name__ == README_SCHEDULES[group]
+    assert schedule_spec(pp_schedule).cls.__name__ == DOC_SCHEDULES[group]

@@ -111,7 +111,9 @@ def test_submit_time_gpus_reach_the_runtime_check(monkeypatch):
     megatron_fsdp is refused for a job that asks for no GPU (``gpus_per_node=0``), passes
     for one that asks for some or whose GPUs are unknown, and is refused on this CPU machine
     when it would run here. (Only the first check, the runtime's, runs: the model and data
-    checks are tested with their own options.)"""
+    checks are tested with their own options.) The submitter's torch is taken for a CUDA
+    build (mocked: this machine's is a CPU build, which is refused for a job with GPUs:
+    tests/launch/test_slurm_env.py)."""
     import automodel.launch.preflight as pf
     from automodel.api import load_config
     from automodel.launch.preflight import preflight
@@ -121,7 +123,11 @@ def test_submit_time_gpus_reach_the_runtime_check(monkeypatch):
     monkeypatch.setattr(pf, "PREFLIGHT_CHECKS", pf.PREFLIGHT_CHECKS[:1])
 
     cfg = load_config(["parallelism=megatron_fsdp", "data=synthetic"], env=submit_env(1, 2))
-    preflight(cfg, gpus=2)
+    with monkeypatch.context() as cuda:
+        cuda.setattr("automodel.launch.support.torch_build", lambda: ("2.13.0+cu128", True))
+        preflight(cfg, gpus=2)
+    with pytest.raises(ConfigError, match="is a CPU build"):  # this machine's torch
+        preflight(cfg, gpus=2)
     preflight(cfg, gpus=None)
     for gpus in ({"gpus": 0}, {}):
         with pytest.raises(ConfigError, match="runs on NVIDIA GPUs only"):
