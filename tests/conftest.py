@@ -20,13 +20,32 @@ def _wandb_dir(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory):
-    """The single-process run every layout must match, keyed by extra overrides."""
+    """The single-process run every layout must match, keyed by extra overrides: run once per
+    test run, by whichever worker (pytest-xdist) needs it first; the others read its records
+    from the run's shared folder (under a file lock, so no run is made twice)."""
+    import hashlib
+    import json
+
+    from filelock import FileLock
+
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # (each worker's basetemp is in the run's one)
+        shared = shared.parent
     cache = {}
 
     def get(*extra):
         if extra not in cache:
-            out = tmp_path_factory.mktemp("reference")
-            cache[extra] = train(["parallelism=none", *extra], out)
+            key = hashlib.sha1(json.dumps(extra).encode()).hexdigest()[:16]
+            path = shared / "references" / f"{key}.json"
+            path.parent.mkdir(exist_ok=True)
+            with FileLock(str(path) + ".lock"):
+                if path.exists():
+                    records = json.loads(path.read_text())["records"]
+                else:
+                    records = train(["parallelism=none", *extra],
+                                    tmp_path_factory.mktemp("reference"))
+                    path.write_text(json.dumps({"extra": list(extra), "records": records}))
+            cache[extra] = records
         return cache[extra]
 
     return get

@@ -319,6 +319,7 @@ def check(cmd: DocCommand, root: Path, tmp_path: Path, monkeypatch) -> list:
     return resolved
 
 
+@pytest.mark.fast  # one process, no process group
 def test_the_docs_have_commands():
     """The collection finds what the docs hold (a parser that finds nothing checks nothing)."""
     where = {c.doc for c in COMMANDS}

@@ -74,15 +74,18 @@ def write_error_file(path: str, exc: BaseException, rank: int) -> None:
 
 def launcher_message(failures: dict, reports: dict) -> str:
     """The launcher's failure message: ``failures`` {rank: (exit code, error file text)} from
-    torch elastic, ``reports`` {rank: (phase, description)} from the ranks."""
+    torch elastic, ``reports`` {rank: (phase, description)} from the ranks. A rank that
+    reported its failure but was stopped by the agent before its own exit counted (a peer's
+    exit came first: torch then names the peer only) is named too, without an exit code."""
     lines = []
     # who failed first: ranks with a report of their own cause, then those whose failure
     # follows from a peer's, then those with no report
-    order = sorted(failures, key=lambda r: (r not in reports,
-                                            r in reports and is_consequence(reports[r][1]), r))
+    order = sorted(set(failures) | set(reports),
+                   key=lambda r: (r not in reports,
+                                  r in reports and is_consequence(reports[r][1]), r))
     for rank in order:
-        code, detail = failures[rank]
-        head = f"rank {rank} failed (exit code {code})"
+        code, detail = failures.get(rank, (None, None))
+        head = f"rank {rank} failed" + (f" (exit code {code})" if rank in failures else "")
         if rank in reports:
             where, what = reports[rank]
             lines.append(f"{head} during {where}: {what}")

@@ -35,11 +35,12 @@ _RANK_VARIABLES = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROU
 
 
 def context(extra_preload: tuple = ()) -> multiprocessing.context.BaseContext:
-    """The fork-server context, its server set to preload ``PRELOAD`` and ``extra_preload``
-    (the preload list takes effect when the server starts: once per launching process; a
-    module that cannot be imported is skipped)."""
+    """The fork-server context, its server set to preload ``PRELOAD``, ``extra_preload`` and
+    last ``automodel.launch.preloaded`` (what every rank imports, then ``gc.freeze()``). The
+    preload list takes effect when the server starts: once per launching process; a module
+    that cannot be imported is skipped."""
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload([*PRELOAD, *extra_preload])
+    ctx.set_forkserver_preload([*PRELOAD, *extra_preload, "automodel.launch.preloaded"])
     _start_server()
     return ctx
 

@@ -88,12 +88,35 @@ def requeue_follows() -> bool:
     return int(os.environ.get("SLURM_RESTART_COUNT", 0) or 0) < allowed
 
 
+# SLURM's final states of a job that did not complete: a task killed in one of them writes no
+# result file, so waiting for one is waiting for nothing
+FAILED_STATES = ("FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
+                 "DEADLINE", "PREEMPTED")
+FAILED_RESULT_WAIT_S = 2.0  # (a result written just before the task died may still show up)
+
+
+class _ResultWait:
+    """submitit's ``Job._results_timeout_s`` (15 s: how long a finished job's result file may
+    take to show on a slow shared file system), per job: ``FAILED_RESULT_WAIT_S`` for a job
+    SLURM already reports failed, so its failure is reported at once."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def __get__(self, job, owner=None) -> float:
+        if job is None:
+            return self.seconds
+        state = job.watcher.get_state(job.job_id, mode="cache")
+        return FAILED_RESULT_WAIT_S if state.split()[0] in FAILED_STATES else self.seconds
+
+
 @contextlib.contextmanager
 def job_states_refreshed(every_s: float = 10.0):
     """While the block waits on submitit jobs, ask SLURM for their states every ``every_s``
     seconds (one ``sacct`` for all of them). submitit's own checks back off to half the time
     since the last submission, up to 10 minutes, so a job that failed after an hour was seen
-    up to 10 minutes late (a job that succeeds is seen at once: its result files)."""
+    up to 10 minutes late (a job that succeeds is seen at once: its result files). A job that
+    failed is reported without submitit's 15 s wait for its result files (``_ResultWait``)."""
     from submitit.slurm.slurm import SlurmJob
 
     done = threading.Event()
@@ -105,6 +128,9 @@ def job_states_refreshed(every_s: float = 10.0):
             except Exception as err:  # (the next wait, or submitit's own check, tries again)
                 log.debug("refreshing the SLURM job states failed: %s", err)
 
+    own = "_results_timeout_s" in SlurmJob.__dict__
+    wait = SlurmJob._results_timeout_s
+    SlurmJob._results_timeout_s = _ResultWait(wait if isinstance(wait, (int, float)) else 15)
     thread = threading.Thread(target=refresh, name="slurm-job-states", daemon=True)
     thread.start()
     try:
@@ -112,3 +138,7 @@ def job_states_refreshed(every_s: float = 10.0):
     finally:
         done.set()
         thread.join()
+        if own:
+            SlurmJob._results_timeout_s = wait
+        else:
+            del SlurmJob._results_timeout_s

@@ -1,14 +1,15 @@
-"""Rules on the model's own structure through the command line: exit 2 before any rank
-starts. They are checked on a meta-device copy of the model (torch and transformers are
-imported, no weights are allocated)."""
+"""Rules on the model's own structure: refused before any rank starts. They are checked on a
+meta-device copy of the model (torch and transformers are imported, no weights are
+allocated) by the preflight every entry point runs; each rule here is checked in this process
+as ``train.py`` checks it (compose, resolve, preflight), and one through the command line
+itself (exit 2, no rank), which costs a Python process importing torch."""
 
 import pytest
 
 from tests.cli.test_cli import run
+from tests.helpers import ON_CPU
 
-
-@pytest.mark.fast  # one subprocess, no rank (the model is built on the meta device)
-@pytest.mark.parametrize("args,expected", [
+RULES = [
     (["mesh.tp_size=4"], "must divide the model's num_key_value_heads=2"),
     (["mesh.tp_size=8"], "must divide the model's num_attention_heads=4"),
     (["mesh.tp_size=2", "model.config.vocab_size=257"], "vocab_size=257"),
@@ -30,9 +31,27 @@ from tests.cli.test_cli import run
     (["mesh.cp_size=8", "mesh.cp_ulysses_size=8"],
      "mesh.cp_ulysses_size=8 must divide the attention heads: the model has "
      "num_attention_heads=4"),
-])
+]
+
+
+@pytest.mark.fast  # no process, no rank (the model is built on the meta device)
+@pytest.mark.parametrize("args,expected", RULES)
 def test_rule_on_the_model_structure_fails_before_any_rank(args, expected, tmp_path):
-    # checked on a meta-device copy of the model (torch is imported, no weights, no ranks)
+    from automodel.api import load_config
+    from automodel.config.build import ConfigError
+    from automodel.config.cli_check import check_cli_overrides
+    from automodel.launch.preflight import preflight
+
+    overrides = ["parallelism=fsdp2"] + args + ON_CPU
+    check_cli_overrides(overrides)
+    with pytest.raises(ConfigError) as refused:
+        preflight(load_config(overrides, str(tmp_path)))
+    assert expected in str(refused.value)
+
+
+@pytest.mark.fast  # one subprocess, no rank
+def test_the_command_line_exits_2_before_any_rank(tmp_path):
+    args, expected = RULES[0]
     out = run(["parallelism=fsdp2"] + args, tmp_path)
     assert out.returncode == 2, out.stderr
     assert expected in out.stderr and "configuration error" in out.stderr

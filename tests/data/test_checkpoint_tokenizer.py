@@ -50,6 +50,7 @@ def _sources(corpus, tmp_path):
             "hf": ["data=hf", f"data.path={ds}", f"data.cache_dir={tmp_path / 'cache'}"]}
 
 
+@pytest.mark.fast  # one process, no process group
 def test_the_checkpoints_tokenizer_is_the_default(corpus, tmp_path):
     from automodel.api import load_config
     from automodel.data.sources import training_data

@@ -66,6 +66,7 @@ def _save_word_tokenizer(path, docs):
     return fast
 
 
+@pytest.mark.fast  # one process, no process group
 def test_local_files_with_a_local_tokenizer_train(tmp_path):
     docs = generate_documents(300, 1)
     tokenizer = _save_word_tokenizer(tmp_path / "tok", docs)

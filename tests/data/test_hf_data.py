@@ -199,6 +199,7 @@ def test_resume_continues_the_uninterrupted_run(saved, tmp_path):
     assert full[-1]["epoch"] > 0
 
 
+@pytest.mark.fast  # one process, no process group
 def test_reading_ahead_changes_nothing(tmp_path):
     run = ["parallelism=none", "data=corpus", "data.num_documents=400",
            "data.pack_boundaries=true", "trainer.max_steps=3"]

@@ -10,7 +10,8 @@ from tests.helpers import FP32, train
 RUN = ["trainer.max_steps=6", "checkpoint.every_steps=2"]
 
 
-@pytest.mark.parametrize("layout", [["parallelism=none"], ["parallelism=ddp"],
+@pytest.mark.parametrize("layout", [pytest.param(["parallelism=none"], marks=pytest.mark.fast),
+                                    ["parallelism=ddp"],
                                     ["parallelism=fsdp2", FP32],
                                     ["parallelism=fsdp2", FP32, "mesh.tp_size=2"]])
 def test_resume_continues_bit_for_bit(layout, tmp_path):

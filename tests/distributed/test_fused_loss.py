@@ -83,6 +83,7 @@ def test_every_family_fuses_exactly_or_says_why_not(preset):
         assert (got[name] - want[name]).norm() <= 1e-6 * norm, name
 
 
+@pytest.mark.fast  # one process, no process group
 def test_fused_loss_trains_as_the_plain_loss(reference, tmp_path):
     # the single-process reference uses the fused loss (trainer.loss=auto): it must match the
     # plain loss over the model's logits step by step

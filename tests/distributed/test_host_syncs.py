@@ -153,12 +153,14 @@ def _assert_one_read_per_step(records, per_step, one_time):
     assert not any(one_time[1:]), one_time  # a pipeline's initialization: first step only
 
 
+@pytest.mark.fast  # one process, no process group
 def test_one_host_read_per_step_single_process(tmp_path):
     records, reads = _run_counted(["parallelism=none", "trainer.local_batch_size=2"], tmp_path)
     _assert_one_read_per_step(records, reads.steps, reads.one_time)
     assert not any(reads.one_time)
 
 
+@pytest.mark.fast  # one process, no process group
 def test_skipped_nonfinite_step_reads_once_too(monkeypatch, tmp_path):
     monkeypatch.setenv("AUTOMODEL_FAULTS", "nan@2")
     records, reads = _run_counted(["parallelism=none", "trainer.on_nonfinite=skip"], tmp_path)

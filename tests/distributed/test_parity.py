@@ -46,6 +46,7 @@ def assert_close_to_fp32(records, ref, loss_rtol, differ_rtol=1e-6):
         "bf16 compute must differ from fp32 a little (did it run in bf16 at all?)"
 
 
+@pytest.mark.fast  # one process, no process group
 def test_reference_accumulation_matches_one_big_batch(reference, tmp_path):
     # Sanity of the reference itself: micro-batching does not change the loss.
     assert_matches(train(["parallelism=none", "trainer.local_batch_size=2"], tmp_path),

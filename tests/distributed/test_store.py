@@ -48,15 +48,28 @@ def _rank(rank, world, port, out, path):
         pickle.dump((during, after_group, listening_sockets(), records), f)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _reserved_port() -> int:
+    """A port for rank 0 to serve the store on itself (the test's point: its own socket on
+    MASTER_ADDR), kept from every other process until then. Binding a free port and closing it
+    would leave it to the next ``bind(port 0)`` of a parallel launch. Instead the port is left in
+    TIME_WAIT (a connection to it accepted and closed by this side): the kernel gives no
+    ``bind(port 0)`` a port in TIME_WAIT for a minute, while an explicit bind with
+    SO_REUSEADDR, which rank 0's store socket sets, takes it at once."""
+    with socket.socket() as server:
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (the TIME_WAIT end too)
+        server.bind(("127.0.0.1", 0))
+        server.listen(1)
+        port = server.getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port)) as client:
+            accepted, _ = server.accept()
+            accepted.close()  # (the accepting side closes first: its end goes to TIME_WAIT)
+            client.recv(1)
+    return port
 
 
 @pytest.mark.timeout(300)
 def test_store_listens_on_master_addr_only_and_nothing_listens_after_the_job(tmp_path):
-    port = _free_port()
+    port = _reserved_port()
     mp.start_processes(_rank, args=(2, port, str(tmp_path), list(sys.path)), nprocs=2,
                        join=True, start_method="spawn")
     results = [pickle.load(open(tmp_path / f"{r}.pkl", "rb")) for r in range(2)]

@@ -48,9 +48,16 @@ def test_the_summary_names_the_root_cause_of_a_chain():
         "rank 2 failed (exit code -9): killed by SIGKILL, with no error report (out of memory, "
         "or stopped from outside?)"]
     assert "To enable traceback" not in launcher_message({0: (1, "To enable traceback x")}, {})
+    # the rank with the cause reported it, but its peer's exit (a consequence) was the one the
+    # agent counted before stopping it: the cause still comes first
+    assert launcher_message({0: (1, "")}, {1: ("step 2", "ValueError: cause"),
+                                           0: ("step 2", "Connection closed by peer")}) == (
+        "rank 1 failed during step 2: ValueError: cause\n"
+        "rank 0 failed (exit code 1) during step 2: Connection closed by peer")
 
 
-@pytest.mark.parametrize("layout", [["parallelism=ddp"], ["parallelism=none"]],
+@pytest.mark.parametrize("layout", [["parallelism=ddp"],
+                                    pytest.param(["parallelism=none"], marks=pytest.mark.fast)],
                          ids=["local_ranks", "one_process"])
 def test_a_chained_error_in_a_rank_is_summarized(layout, monkeypatch, tmp_path):
     rank = 1 if layout == ["parallelism=ddp"] else 0

@@ -33,15 +33,15 @@ from tests.cli.test_cli import ROOT, TRAIN
 from tests.distributed.test_golden import assert_golden
 from tests.helpers import ON_CPU, chat_records, save_chat_tokenizer
 from tests.launch.test_slurm import require_cluster
-from tests.launch.test_slurm_nodes import _two_nodes_idle
+from tests.launch.test_slurm_nodes import two_nodes_up
 
 SCRIPTS = sorted((ROOT / "examples" / "slurm").glob("*.sbatch"))
 # train.py overrides whose values are sizes: their miniature values (keys a script does not
 # name are not added)
 SIZES = {"mesh.tp_size": "2", "mesh.ep_size": "2", "mesh.pp_size": "2", "trainer.seq_len": "32",
          "trainer.global_batch_size": "8", "trainer.local_batch_size": "1",
-         "pipeline.pp_microbatch_size": "1", "trainer.max_steps": "4", "trainer.log_every": "1",
-         "trainer.eval_every": "2", "trainer.eval_batches": "1", "checkpoint.every_steps": "2",
+         "pipeline.pp_microbatch_size": "2", "trainer.max_steps": "3", "trainer.log_every": "1",
+         "trainer.eval_every": "2", "trainer.eval_batches": "1", "checkpoint.every_steps": "1",
          "optim.warmup_steps": "1", "data.eval_fraction": "0.2"}
 # #SBATCH options whose values are sizes (None: dropped; the local nodes have no GPUs)
 SBATCH_SIZES = {"nodes": "2", "ntasks-per-node": "2", "gpus-per-node": None, "cpus-per-task": "1"}
@@ -139,17 +139,18 @@ def _finished(job_id: str) -> str:
                              capture_output=True, text=True).stdout.split()
         if out and out[0] not in ("PENDING", "RUNNING", "REQUEUED", "COMPLETING"):
             return out[0]
-        time.sleep(0.5)
+        time.sleep(0.5)  # (poll: until SLURM ends the job)
     subprocess.run(["scancel", job_id])
     return "TIMEOUT (the test's 10 minutes)"
 
 
 @pytest.fixture(scope="module")
 def recipe_jobs(inputs, tmp_path_factory):
-    """Every script submitted at once (partition ``two`` shares its nodes between jobs), then
-    waited for: {script name: (job id, final state, submit dir, EXP, WANDB_DIR)}."""
-    if not _two_nodes_idle():
-        pytest.fail("partition 'two' (node1, node2) is not idle; see scripts/slurm_cluster.sh")
+    """Every script submitted at once (SLURM runs them one after another: each takes the
+    nodes' memory), then waited for: {script name: (job id, final state, submit dir, EXP,
+    WANDB_DIR)}."""
+    if not two_nodes_up():
+        pytest.fail("partition 'two' (node1, node2) is not up; see scripts/slurm_cluster.sh")
     jobs = {}
     for script in SCRIPTS:
         where = tmp_path_factory.mktemp(script.stem)
@@ -179,17 +180,17 @@ def test_recipe_runs_in_miniature_on_two_nodes(script, recipe_jobs):
     assert re.search(LAYOUTS[script.stem], train_log), train_log[:3000]
     records = read_metrics(run / "metrics.jsonl")
     steps = [r for r in records if r.get("loss") is not None]
-    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    assert [r["step"] for r in steps] == [1, 2, 3]
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in steps)
     text = script.read_text()
     if "output_router_logits=true" in text:  # the router's loss is on
         assert all(r["aux_loss"] > 0 for r in steps)
     if "trainer.eval_every" in text:
-        assert [r["step"] for r in records if r.get("eval_loss") is not None] == [2, 4]
+        assert [r["step"] for r in records if r.get("eval_loss") is not None] == [2, 3]
     ckpts = exp / re.search(r"checkpoint\.dir=\$EXP/(\S+)", text).group(1)
     saved = sorted(p.name for p in ckpts.iterdir() if p.name.startswith("step_"))
-    assert saved == ["step_00000002", "step_00000004"]  # keep_last=2 of 2 and 4
-    hf = ckpts / "step_00000004" / "hf"
+    assert saved == ["step_00000002", "step_00000003"]  # keep_last=2 of 1, 2 and 3
+    hf = ckpts / "step_00000003" / "hf"
     assert (hf / "config.json").exists() and list(hf.glob("*.safetensors")), hf
     assert list(wandb_dir.rglob("offline-run-*")), "no offline W&B run"
 

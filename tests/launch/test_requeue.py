@@ -60,10 +60,10 @@ def test_a_waiting_launcher_asks_slurm_for_the_job_states_at_a_steady_pace():
     try:
         before = watcher.num_calls
         with job_states_refreshed(every_s=0.05):
-            time.sleep(0.5)
+            time.sleep(0.5)  # the refresher's 0.05 s period, about 10 times
         assert watcher.num_calls - before >= 3
         calls = watcher.num_calls
-        time.sleep(0.2)
+        time.sleep(0.2)  # a period after the block: the refresher must have stopped
         assert watcher.num_calls == calls  # (the thread ended with the block)
     finally:
         watcher.clear()

@@ -132,7 +132,7 @@ def test_cancellation(tmp_path):
                                text=True).stdout.strip()
         if state == "RUNNING":
             break
-        time.sleep(0.5)
+        time.sleep(0.5)  # (poll: until the job runs)
     assert state == "RUNNING"
     subprocess.run(["scancel", job_id], check=True)
     deadline = time.time() + 60
@@ -141,5 +141,5 @@ def test_cancellation(tmp_path):
                                capture_output=True, text=True).stdout.strip()
         if state.startswith("CANCELLED"):
             break
-        time.sleep(0.5)
+        time.sleep(0.5)  # (poll: until SLURM records the cancellation)
     assert state.startswith("CANCELLED")

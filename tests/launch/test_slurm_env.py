@@ -167,3 +167,29 @@ def test_gpu_binding_is_checked_before_training(tmp_path, monkeypatch):
     _preflight(GPU_NODE_TASK, tmp_path)  # the node's 8: cuda:5
     with pytest.raises(ConfigError, match=r"local rank 5 of the 8 ranks on this node sees 2 "):
         _preflight({**GPU_NODE_TASK, "CUDA_VISIBLE_DEVICES": "4,5"}, tmp_path)
+
+
+def test_a_failed_job_is_not_waited_for_its_result_files():
+    """submitit waits 15 s for the result file of a finished job (a slow shared file system
+    shows it late); a task SLURM killed writes none, so for a job SLURM reports failed the
+    launchers wait FAILED_RESULT_WAIT_S only (a completed job keeps the 15 s)."""
+    from submitit.slurm.slurm import SlurmJob
+
+    from automodel.launch.slurm import FAILED_RESULT_WAIT_S, job_states_refreshed
+
+    class Watcher:
+        def get_state(self, job_id, mode):
+            assert mode == "cache"  # (no sacct call of its own)
+            return {"1": "FAILED", "2": "CANCELLED by 0", "3": "COMPLETED"}[job_id]
+
+    class Job:
+        watcher = Watcher()
+
+        def __init__(self, job_id):
+            self.job_id = job_id
+
+    with job_states_refreshed(every_s=3600):
+        wait = SlurmJob.__dict__["_results_timeout_s"]
+        assert [wait.__get__(Job(i), Job) for i in "123"] == \
+            [FAILED_RESULT_WAIT_S, FAILED_RESULT_WAIT_S, 15]
+    assert "_results_timeout_s" not in SlurmJob.__dict__ and SlurmJob._results_timeout_s == 15

@@ -47,7 +47,7 @@ def _state(job_id):
 def _preempt_and_release(job_id, metrics, at_step=5):
     deadline = time.time() + 180
     while time.time() < deadline and len(_records(metrics)) < at_step:
-        time.sleep(0.3)
+        time.sleep(0.3)  # (poll: until the job has logged at_step steps)
     assert len(_records(metrics)) >= at_step, "the job never got going"
     for sig in ("TERM", "USR2"):  # SLURM's preemption notice, then submitit's signal
         subprocess.run(["scancel", f"--signal={sig}", job_id], check=True)
@@ -61,7 +61,7 @@ def sweep_job_id(sweep, timeout=120) -> str:
         found = list(sweep.glob(".submitit/*/*_submitted.pkl"))
         if found:
             return found[0].name.split("_")[0]
-        time.sleep(0.3)
+        time.sleep(0.3)  # (poll: until the sweep submitted its job)
     raise AssertionError("the sweep submitted no job")
 
 
@@ -77,14 +77,14 @@ def release_when_requeued(job_id, timeout=120):
             subprocess.run(["scontrol", "update", f"jobid={job_id}", "StartTime=now"],
                            check=True)
             return
-        time.sleep(0.3)
+        time.sleep(0.3)  # (poll: until SLURM requeues the job)
     raise AssertionError(f"job {job_id} was not requeued: {_state(job_id)}")
 
 
 def _final_state(job_id):
     deadline = time.time() + 60  # the results can be in before SLURM closes the job
     while _state(job_id)[0] in ("RUNNING", "COMPLETING") and time.time() < deadline:
-        time.sleep(0.3)
+        time.sleep(0.3)  # (poll: until SLURM closes the job)
     return _state(job_id)
 
 

@@ -23,18 +23,22 @@ from tests.helpers import BASE
 from tests.launch.test_slurm import LAUNCHER, grad_norms, losses, require_cluster
 
 
-def _two_nodes_idle() -> bool:
-    out = subprocess.run(["sinfo", "-h", "-p", "two", "-o", "%D %t"], capture_output=True,
+def two_nodes_up() -> bool:
+    """node1 and node2 of partition ``two`` answer: idle, or running another test's job (the
+    suite's workers share the cluster; a job waits for the nodes)."""
+    out = subprocess.run(["sinfo", "-h", "-N", "-p", "two", "-o", "%N %t"], capture_output=True,
                          text=True, timeout=10)
-    return out.returncode == 0 and "2 idle" in out.stdout
+    states = dict(line.split() for line in out.stdout.splitlines() if line.strip())
+    return out.returncode == 0 and set(states) == {"node1", "node2"} and all(
+        state.rstrip("*") in ("idle", "mix", "alloc", "comp") for state in states.values())
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _two_node_partition():
     require_cluster()
-    if _two_nodes_idle():
+    if two_nodes_up():
         return
-    reason = ("the cluster has no idle partition 'two' of node1 and node2 (network "
+    reason = ("the cluster has no partition 'two' of node1 and node2 up (network "
               "namespaces); see the output of scripts/slurm_cluster.sh start")
     if os.environ.get("CI", "").lower() not in ("", "0", "false", "no"):
         pytest.fail(reason, pytrace=False)
@@ -71,7 +75,7 @@ def _listeners():
                                      capture_output=True, text=True).stdout
                 seen.update((node, line.split()[3]) for line in out.splitlines()
                             if "python" in line)
-            time.sleep(0.2)
+            time.sleep(0.2)  # (poll: the listening sockets while the sweep runs)
 
     thread = threading.Thread(target=poll, daemon=True)
     thread.start()

@@ -37,7 +37,7 @@ def _signal_midway(cmd, out, sig, env_extra=None, at_step=4):
                             stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 240
     while _steps_done(out) < at_step and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.2)
+        time.sleep(0.2)  # (poll: until at_step steps are logged)
     assert proc.poll() is None, proc.communicate()
     proc.send_signal(sig)
     stdout, stderr = proc.communicate(timeout=240)

@@ -45,7 +45,7 @@ def _busy_then_late(rank, world):
     time.sleep(1.5)  # every rank busy longer than the timeout (compile, loading), alike
     out["all_busy"] = _timed(_all_reduce())
     if rank == 0:
-        time.sleep(0.2)
+        time.sleep(0.2)  # rank 0 late by less than the timeout
     out["late_within"] = _timed(_all_reduce())
     if rank == 0:
         time.sleep(LATE)  # e.g. rank 0 alone exporting a checkpoint or starting W&B
@@ -69,11 +69,11 @@ def _long_then_lowered(rank, world):
     out["late_under_long"] = _timed(_all_reduce(sub))
     set_collective_timeout(LONG)  # a save: rank 0 exports alone
     if rank == 0:
-        time.sleep(LATE)
+        time.sleep(LATE)  # rank 0 late by LATE: longer than SECOND, under LONG
     out["late_in_solo_phase"] = _timed(_all_reduce(sub))
     set_collective_timeout(SECOND)  # training
     if rank == 0:
-        time.sleep(LATE)
+        time.sleep(LATE)  # rank 0 late by LATE: longer than SECOND, under LONG
     out["late_under_lowered"] = _timed(_all_reduce(sub))
     return out
 
@@ -82,7 +82,7 @@ def _monitored_barrier_with_slow_rank0(rank, world):
     import torch.distributed as dist
 
     if rank == 0:
-        time.sleep(LATE)
+        time.sleep(LATE)  # rank 0 late by LATE: longer than SECOND, under LONG
     return {"monitored_barrier": _timed(lambda: dist.monitored_barrier(timeout=LONG))}
 
 

@@ -143,6 +143,7 @@ def test_plan_cli_refuses_before_simulating(case, tmp_path):
     assert not (tmp_path / "plan.json").exists()
 
 
+@pytest.mark.fast  # one process, no process group
 def test_make_plan_refuses_before_simulating(tmp_path, monkeypatch):
     """``make_plan`` refuses what cannot be simulated before it starts a worker."""
     from automodel.api import load_config

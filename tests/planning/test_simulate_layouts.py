@@ -134,6 +134,7 @@ def test_expert_parallel_simulation_sends_balanced_tokens():
     assert sim["flops"] > 0
 
 
+@pytest.mark.fast  # one process, no process group
 def test_balanced_counts():
     from automodel.planning.moe import balanced_counts
 

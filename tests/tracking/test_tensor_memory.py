@@ -26,6 +26,7 @@ def _memtracker_peak(step, *roots) -> int:
     return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
 
 
+@pytest.mark.fast  # one process, no process group
 def test_a_linear_stack_counts_by_hand_and_peaks_as_memtracker():
     torch.manual_seed(0)
     width, batch, depth = 128, 16, 3
@@ -66,6 +67,7 @@ def test_a_linear_stack_counts_by_hand_and_peaks_as_memtracker():
         assert tracker.current == base
 
 
+@pytest.mark.fast  # one process, no process group
 def test_llama_tiny_step_peaks_within_two_percent_of_memtracker():
     from transformers import LlamaConfig, LlamaForCausalLM
 
