@@ -57,6 +57,21 @@ def is_consequence(description: str) -> bool:
     return any(c in description for c in _CONSEQUENCES)
 
 
+# How long a rank whose failure is only a peer's (connection closed) waits before it exits.
+CONSEQUENCE_GRACE_S = 2.0
+
+
+def let_the_cause_exit_first(exc: BaseException) -> None:
+    """A rank that failed only because a peer went away waits a moment before exiting: the
+    elastic agent names the first exit it sees (and stops the rest), and on a loaded machine
+    this rank could reach its exit before the killed peer's death was seen, leaving the job's
+    message without the rank that caused it."""
+    if is_consequence(describe(exc)):
+        import time
+
+        time.sleep(CONSEQUENCE_GRACE_S)
+
+
 def write_error_file(path: str, exc: BaseException, rank: int) -> None:
     """The error file a torch elastic agent (torchrun) reads for its failure summary: our
     summary first, then the traceback."""
@@ -78,11 +93,16 @@ def launcher_message(failures: dict, reports: dict) -> str:
     reported its failure but was stopped by the agent before its own exit counted (a peer's
     exit came first: torch then names the peer only) is named too, without an exit code."""
     lines = []
-    # who failed first: ranks with a report of their own cause, then those whose failure
-    # follows from a peer's, then those with no report
-    order = sorted(set(failures) | set(reports),
-                   key=lambda r: (r not in reports,
-                                  r in reports and is_consequence(reports[r][1]), r))
+    # who failed first: ranks with a report of their own cause, then ranks that ended without
+    # one (killed), then those whose failure follows from a peer's, then those the agent
+    # stopped after the first failure
+    def first(rank):
+        if rank in reports:
+            return 2 if is_consequence(reports[rank][1]) else 0
+        code = failures[rank][0]
+        return 3 if isinstance(code, int) and -code in (signal.SIGTERM, signal.SIGINT) else 1
+
+    order = sorted(set(failures) | set(reports), key=lambda r: (first(r), r))
     for rank in order:
         code, detail = failures.get(rank, (None, None))
         head = f"rank {rank} failed" + (f" (exit code {code})" if rank in failures else "")

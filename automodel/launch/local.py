@@ -50,6 +50,7 @@ def _rank_entry(cfg: TrainConfig, channel=None):
     except BaseException as err:  # (torch.distributed.checkpoint's errors are BaseExceptions)
         if not isinstance(err, (SystemExit, KeyboardInterrupt)):
             failure.report(err, int(os.environ.get("RANK", 0)))
+            failure.let_the_cause_exit_first(err)
         raise
 
 

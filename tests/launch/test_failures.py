@@ -42,11 +42,11 @@ def test_the_summary_names_the_root_cause_of_a_chain():
     message = launcher_message(
         {0: (1, "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html"),
          1: (-15, ""), 2: (-9, "")}, {0: ("step 3", "OSError: boom")})
-    assert message.splitlines() == [
+    assert message.splitlines() == [  # own cause, killed, (consequences,) stopped by the agent
         "rank 0 failed (exit code 1) during step 3: OSError: boom",
-        "rank 1 failed (exit code -15): stopped by SIGTERM after rank 0 failed",
         "rank 2 failed (exit code -9): killed by SIGKILL, with no error report (out of memory, "
-        "or stopped from outside?)"]
+        "or stopped from outside?)",
+        "rank 1 failed (exit code -15): stopped by SIGTERM after rank 0 failed"]
     assert "To enable traceback" not in launcher_message({0: (1, "To enable traceback x")}, {})
     # the rank with the cause reported it, but its peer's exit (a consequence) was the one the
     # agent counted before stopping it: the cause still comes first
@@ -54,6 +54,11 @@ def test_the_summary_names_the_root_cause_of_a_chain():
                                            0: ("step 2", "Connection closed by peer")}) == (
         "rank 1 failed during step 2: ValueError: cause\n"
         "rank 0 failed (exit code 1) during step 2: Connection closed by peer")
+    # a killed rank (no report) comes before the peer that only saw its connection close
+    assert launcher_message({1: (-9, ""), 0: (1, "")},
+                            {0: ("step 3", "Connection reset by peer")}).splitlines()[0] == (
+        "rank 1 failed (exit code -9): killed by SIGKILL, with no error report (out of memory, "
+        "or stopped from outside?)")
 
 
 @pytest.mark.parametrize("layout", [["parallelism=ddp"],
