@@ -43,9 +43,10 @@ case "$choice" in
 esac
 
 # The stamp records what was installed: the torch build and pip arguments, and pyproject.toml's
-# hash. A different choice (or torch version) or an edited pyproject.toml reinstalls.
+# and scripts/constraints.txt's hashes. A different choice (or torch version) or an edited
+# pyproject.toml or constraints file reinstalls.
 stamp=.venv/.automodel-installed
-want="$variant ${torch_args[*]} pyproject=$(sha256sum pyproject.toml | cut -c1-16)"
+want="$variant ${torch_args[*]} pyproject=$(sha256sum pyproject.toml | cut -c1-16) constraints=$(sha256sum scripts/constraints.txt | cut -c1-16)"
 have=$(cat "$stamp" 2>/dev/null || echo none)
 if [ -z "$have" ] && [ "$variant" != custom ]; then
   # an empty stamp: written by the earlier setup.sh, which recorded nothing. Current if the
@@ -80,6 +81,6 @@ if [ "$have" != "$want" ]; then
   else
     "${pip[@]}" "${torch_args[@]}"
   fi
-  "${pip[@]}" -e ".[test,megatron]"
+  "${pip[@]}" -c scripts/constraints.txt -e ".[test,megatron]"  # (the tested versions)
   echo "$want" >"$stamp"
 fi

@@ -2,11 +2,18 @@ import os
 
 import pytest
 
-from tests.helpers import train
+from tests.helpers import WORKER_CPUS, train
 
 # Tests never reach a network: trackers offline, no hub downloads.
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Under pytest-xdist the workers share the cores: every process a worker starts runs its share
+# (the launchers honour an explicit OMP_NUM_THREADS: automodel.config.launch_env.rank_threads).
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    os.environ.setdefault("OMP_NUM_THREADS", str(WORKER_CPUS))
+    import torch
+
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 # Keep tests independent of a torchrun/SLURM environment they may be started from.
 for _var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
              "MASTER_PORT", "TORCHELASTIC_RUN_ID", "SLURM_STEP_ID", "SLURM_PROCID"):

@@ -8,6 +8,7 @@ import sys
 import torch.multiprocessing as mp
 
 from automodel.api import run
+from automodel.config.launch_env import usable_cpus
 from automodel.launch import forkserver
 from automodel.tracking.metrics import read_metrics
 
@@ -22,6 +23,11 @@ BASE = ["data=corpus", "data.num_documents=400"] + TRAINER
 # machine has no device for rank 1, and the stored numbers (tests/golden) are CPU numbers.
 # Tests about GPUs are marked `gpu` (tests/test_gpu.py); tests/test_cpu_pin.py checks the pin.
 ON_CPU = ["distributed.backend=gloo"]
+# The CPUs of one pytest-xdist worker: the workers share the machine's, so each of a worker's
+# processes (its jobs' ranks, its own single-process runs) runs this many threads at most
+# (tests/conftest.py). torch's default, every core in every process, costs 2.7x the CPU time
+# in spinning threads once the processes share cores.
+WORKER_CPUS = max(1, usable_cpus() // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1))
 
 
 def job_overrides(overrides, base=BASE):
@@ -52,7 +58,10 @@ def _worker(rank, world, port, fn, args, result_dir, path, timeout=None, environ
     sys.path[:] = path
     if environ is not None:
         forkserver.adopt_environment(environ)
+    import torch
     import torch.distributed as dist
+
+    torch.set_num_threads(max(1, WORKER_CPUS // world))  # (forked: the server's count)
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world))

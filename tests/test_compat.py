@@ -2,13 +2,14 @@
 before any rank starts, and touched nowhere else in the package."""
 
 import ast
+import os
 import pathlib
 import re
 
 import pytest
 
 from automodel import compat
-from automodel.compat import INTERNALS, CompatError, check_compat
+from automodel.compat import INTERNALS, CompatError, check_compat, verified
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "automodel"
@@ -104,6 +105,18 @@ def test_pinned_ranges_are_pyprojects():
     assert pins == compat.PINNED
 
 
+@pytest.mark.fast
+def test_the_test_environment_installs_the_tested_versions():
+    """scripts/setup.sh installs with scripts/constraints.txt: transformers at the tested
+    version (torch is pinned by setup.sh itself), whatever the newest release is."""
+    lines = (ROOT / "scripts" / "constraints.txt").read_text().splitlines()
+    pins = dict(line.split("==") for line in lines if line and not line.startswith("#"))
+    assert pins["transformers"] == compat.TESTED_WITH["transformers"] and "torch" not in pins
+    assert f'TORCH_VERSION={compat.TESTED_WITH["torch"]}' in \
+        (ROOT / "scripts" / "setup.sh").read_text()
+    assert "-c scripts/constraints.txt" in (ROOT / "scripts" / "setup.sh").read_text()
+
+
 def _private_names() -> set[str]:
     """The private names (``_x``, not dunder) of every entry's module path and attribute."""
     parts = {p for e in ALL_INTERNALS for p in re.split(r"[.()]", e.name) if p}
@@ -168,3 +181,54 @@ def test_the_scan_finds_a_scattered_patch(tmp_path):
         "'_stages'", "._micro_pipeline_tp", "assigns ._micro_pipeline_tp",
         "assigns .perform_reduce_grad",
         "import torch._inductor.config", "import torch.distributed.tensor._utils"]
+
+
+@pytest.mark.fast
+def test_a_passed_check_is_remembered_per_installation(tmp_path):
+    """A fresh process checks in full (it imports torch's compiler stack, transformers' masks)
+    and writes the pass down; the next start on the same installation skips those imports."""
+    import subprocess
+    import sys
+
+    probe = ("import sys; from automodel.compat import check_compat; check_compat(); "
+             "print(sorted(m for m in ('torch._dynamo', 'transformers.masking_utils') "
+             "if m in sys.modules))")
+    env = {**os.environ, "AUTOMODEL_CACHE": str(tmp_path), "AUTOMODEL_COMPAT_CACHE": "1"}
+
+    def start():
+        out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env,
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.strip()
+
+    assert start() == "['torch._dynamo', 'transformers.masking_utils']"
+    [entry] = (tmp_path / "compat").iterdir()
+    assert entry.name == f"{verified.installation_key('training')}.ok"
+    assert start() == "[]"
+    env["AUTOMODEL_COMPAT_CACHE"] = "0"  # off: the full check again
+    assert start() == "['torch._dynamo', 'transformers.masking_utils']"
+
+
+@pytest.mark.fast
+def test_the_key_names_the_installation(monkeypatch):
+    key = verified.installation_key("training")
+    assert key == verified.installation_key("training") != verified.installation_key("planning")
+    real = verified._library_identity
+    monkeypatch.setattr(verified, "_library_identity",
+                        lambda name: [*real(name), "reinstalled"] if name == "torch"
+                        else real(name))
+    assert verified.installation_key("training") not in (key, None)
+    monkeypatch.setattr(verified, "_library_identity", lambda name: None)  # not installed
+    assert verified.installation_key("training") is None
+    assert not verified.passed_before(None)
+
+
+@pytest.mark.fast
+def test_a_remembered_pass_does_not_hide_a_change_in_this_process(tmp_path, monkeypatch):
+    from transformers import modeling_flash_attention_utils as fa
+
+    monkeypatch.setenv("AUTOMODEL_CACHE", str(tmp_path))
+    verified.remember_pass(verified.installation_key("training"))
+    assert verified.passed_before(verified.installation_key("training"))
+    message = _error(lambda: monkeypatch.delattr(fa, "_is_packed_sequence"))
+    assert "_is_packed_sequence: missing" in message

@@ -11,7 +11,17 @@ pinned and tested versions, and the fix.
 
 from __future__ import annotations
 
-from automodel.compat import hf, pipeline_stage, planning, torch_dist, torch_memory, torch_nn
+import sys
+
+from automodel.compat import (
+    hf,
+    pipeline_stage,
+    planning,
+    torch_dist,
+    torch_memory,
+    torch_nn,
+    verified,
+)
 from automodel.compat.core import PINNED, TESTED_WITH, CompatError, Internal, check_entries
 from automodel.compat.hf import (
     can_set_attn_implementation,
@@ -80,8 +90,17 @@ def check_planning_compat() -> None:
 
 def check_compat() -> None:
     """Raise ``CompatError`` (a ``ConfigError``) naming each internal that the installed torch
-    or transformers lacks or changed (a few milliseconds once the libraries are imported)."""
+    or transformers lacks or changed (a few milliseconds once the libraries are imported).
+    Where this installation passed before (``compat/verified.py``), only the entries of
+    modules this process has imported are checked: the others are not imported for it."""
+    unloaded = {e.module for e in INTERNALS if e.probe is None} - set(sys.modules)
+    key = verified.installation_key("training") if unloaded else None
+    if verified.passed_before(key):
+        check_entries([e for e in INTERNALS if (e.module if e.probe is None else "torch")
+                       in sys.modules])
+        return
     check_entries(INTERNALS)
+    verified.remember_pass(key)
 
 
 __all__ = [

@@ -26,6 +26,7 @@ from typing import Callable, Iterable
 
 import numpy as np
 
+from automodel import user_cache
 from automodel.data import hf_dataset, sft
 from automodel.data.token_stream import (
     DOC_STARTS,
@@ -48,8 +49,7 @@ BYTE_SEPARATOR = ord("\n")
 def cache_root(cache_dir: str | None) -> Path:
     """``data.cache_dir``, else ``$AUTOMODEL_CACHE``, else ``~/.cache/automodel``; entries
     live in its ``tokens/`` folder."""
-    root = cache_dir or os.environ.get("AUTOMODEL_CACHE") or Path.home() / ".cache" / "automodel"
-    return Path(root) / "tokens"
+    return (Path(cache_dir) if cache_dir else user_cache.cache_root()) / "tokens"
 
 
 # Weights in a checkpoint directory that is also the tokenizer's: not hashed (not read).

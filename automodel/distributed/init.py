@@ -38,7 +38,9 @@ class DistInfo:
             from automodel.launch.nodes import ranks_by_node
 
             met += f", {ranks_by_node(list(self.hosts))}"
-        return f"backend {self.backend}, device {self.device.type}{met}"
+        threads = torch.get_num_threads()  # (launch_env.rank_threads: the same on every rank)
+        return (f"backend {self.backend}, device {self.device.type}, {threads} CPU "
+                f"thread{'s' if threads > 1 else ''} per rank{met}")
 
     def within(self, group) -> "DistInfo":
         """This rank's facts within ``group`` (a model's ranks): its rank there and their

@@ -21,6 +21,7 @@ from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from automodel.config.launch_env import THREADS_ENV, rank_threads, usable_cpus
 from automodel.config.resolve import TrainConfig
 from automodel.errors import LaunchError, TrainingStopped
 from automodel.launch import failure, forkserver
@@ -149,10 +150,10 @@ def launch(cfg: TrainConfig):
         return _run_here(cfg, cfg.launch.external)  # (TrainingStopped after a stop signal)
 
     nproc = cfg.distributed.nproc_per_node
-    threads = max(1, (os.cpu_count() or 1) // nproc)
-    with forkserver.environment_restored(("OMP_NUM_THREADS", "AUTOMODEL_NUM_THREADS")):
-        os.environ.setdefault("OMP_NUM_THREADS", str(threads))
-        os.environ.setdefault("AUTOMODEL_NUM_THREADS", os.environ["OMP_NUM_THREADS"])
+    threads = str(rank_threads(os.environ, usable_cpus(), nproc))
+    with forkserver.environment_restored(("OMP_NUM_THREADS", THREADS_ENV)):
+        os.environ.setdefault("OMP_NUM_THREADS", threads)
+        os.environ.setdefault(THREADS_ENV, threads)
         results = _launch_local_ranks(cfg, nproc)
     return results[0]
 

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from automodel.compat import FLIGHT_RECORDER_ENV
+from automodel.config.launch_env import rank_threads, usable_cpus
 from automodel.config.resolve import TrainConfig
 from automodel.distributed.context_parallel import build_context_parallel
 from automodel.distributed.init import DistInfo, destroy_distributed, init_distributed
@@ -157,9 +158,9 @@ def _train(cfg: TrainConfig, setup: DistributedSetup, output_dir: str) -> list[d
 
 def run_rank(cfg: TrainConfig) -> list[dict] | None:
     """Entry point of one rank (local spawn, torchrun or in-process). Rank 0 returns records."""
-    threads = os.environ.get("AUTOMODEL_NUM_THREADS")
-    if threads:
-        torch.set_num_threads(int(threads))
+    # (a rank forked from the fork server kept the server's thread count: set it here)
+    torch.set_num_threads(rank_threads(os.environ, usable_cpus(),
+                                       int(os.environ.get("LOCAL_WORLD_SIZE") or 1)))
     if cfg.trainer.profile_steps:  # the flight recorder keeps each collective's group
         os.environ.setdefault(FLIGHT_RECORDER_ENV, "20000")
     set_phase("process group start")

@@ -31,6 +31,7 @@ def cli_args(args) -> list:
 def run(args, cwd, env_extra=None, timeout=300, cmd=None):
     env = dict(os.environ)
     env.update(env_extra or {})
+    env = {k: v for k, v in env.items() if v is not None}  # (None: unset it)
     return subprocess.run((cmd or [sys.executable, TRAIN]) + cli_args(args), cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout)
 

@@ -23,3 +23,14 @@ def test_torchrun_and_local():
                                   "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "h"})
     assert (torchrun.kind, torchrun.world_size, torchrun.rank) == ("torchrun", 4, 3)
     assert detect_launch_env({}).kind == "local" and detect_launch_env({}).restarts == 0
+
+
+def test_a_rank_runs_its_share_of_the_cpus_unless_told():
+    from automodel.config.launch_env import rank_threads
+
+    assert rank_threads({}, 16, 8) == 2  # the node's CPUs shared by its ranks
+    assert rank_threads({}, 2, 4) == 1  # never 0
+    assert rank_threads({"SLURM_CPUS_PER_TASK": "6"}, 96, 8) == 6  # what SLURM gave the task
+    assert rank_threads({"SLURM_CPUS_PER_TASK": "6", "OMP_NUM_THREADS": "3"}, 96, 8) == 3
+    assert rank_threads({"OMP_NUM_THREADS": "3", "AUTOMODEL_NUM_THREADS": "5"}, 96, 8) == 5
+    assert rank_threads({"OMP_NUM_THREADS": "", "SLURM_CPUS_PER_TASK": "x"}, 8, 2) == 4

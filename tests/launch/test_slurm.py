@@ -18,6 +18,7 @@ import time
 import numpy as np
 import pytest
 
+from automodel.config.launch_env import usable_cpus
 from automodel.tracking.metrics import read_metrics
 from tests.cli.test_cli import QUICK, ROOT, metrics_files, run
 from tests.distributed.test_parity import assert_matches
@@ -85,13 +86,19 @@ def test_two_task_fsdp2_sweep_matches_the_local_run(tmp_path, reference):
     local = run(["parallelism=fsdp2"] + BASE, tmp_path / "local")
     assert local.returncode == 0, local.stderr
     [local_metrics] = metrics_files(tmp_path / "local")
+    # (no OMP_NUM_THREADS: the tasks pick their threads themselves)
     sweep = run(["-m", "hydra/launcher=slurm", "hydra.launcher.nodes=1",
                  "hydra.launcher.tasks_per_node=2", "parallelism=ddp,fsdp2",
-                 f"hydra.sweep.dir={tmp_path}/sweep"] + BASE, tmp_path)
+                 f"hydra.sweep.dir={tmp_path}/sweep"] + BASE, tmp_path,
+                env_extra={"OMP_NUM_THREADS": None})
     assert sweep.returncode == 0, sweep.stderr
+    # the node's CPUs shared by its 2 tasks (torch's default: every CPU in each task)
+    threads = max(1, usable_cpus() // 2)
+    assert usable_cpus() == 1 or threads != usable_cpus()
     for job in ("0", "1"):  # both jobs of the sweep, each 2 SLURM tasks = 2 ranks
         log = (tmp_path / "sweep" / job / "train.log").read_text()
         assert "on 2 rank(s) (dp=2" in log and log.count("step 5/5") == 1  # rank 0 only
+        assert f"device cpu, {threads} CPU thread{'s' if threads > 1 else ''} per rank" in log
     # job 0 is DDP (fp32) on 2 SLURM tasks: the single-process reference's numbers
     assert_matches(read_metrics(tmp_path / "sweep" / "0" / "metrics.jsonl"), reference())
     # job 1 is FSDP2 (bf16 parameters) on 2 SLURM tasks: the same numbers as the local 2-rank
