@@ -113,15 +113,21 @@ def _named_by_time(hc, multirun: bool, env=None) -> bool:
 def _run_job(cfg, hc):
     from hydra.types import RunMode
 
-    train_cfg = resolve_hydra_job(cfg, hc, hc.runtime.output_dir, hc.mode == RunMode.MULTIRUN)
-    from automodel.launch.preflight import preflight  # (its checks import torch)
+    from automodel.startup import without_collections
 
-    preflight(train_cfg)
-    if train_cfg.launch.kind == "slurm":
-        from automodel.launch.slurm import quiet_non_zero_rank
+    with without_collections():  # (start-up: the imports of torch and transformers)
+        train_cfg = resolve_hydra_job(cfg, hc, hc.runtime.output_dir,
+                                      hc.mode == RunMode.MULTIRUN)
+        from automodel.launch.preflight import preflight  # (its checks import torch)
 
-        quiet_non_zero_rank(train_cfg.launch.rank)
-    from automodel.launch.local import launch  # torch is imported from here on
+        preflight(train_cfg)
+        if train_cfg.launch.kind == "slurm":
+            from automodel.launch.slurm import quiet_non_zero_rank
 
+            quiet_non_zero_rank(train_cfg.launch.rank)
+        from automodel.launch.local import launch, runs_here  # torch from here on
+
+        if runs_here(train_cfg):  # this process is the rank: its training code too
+            import automodel.recipes.train  # noqa: F401
     records = launch(train_cfg)
     return records[-1]["loss"] if records else None

@@ -29,15 +29,20 @@ class TrainJob:
     def __call__(self, overrides: list[str], output_dir: str):
         import os
 
-        from automodel.api import load_config
-        from automodel.errors import TrainingStopped
-        from automodel.launch.local import launch
-        from automodel.launch.preflight import preflight
-        from automodel.launch.slurm import requeue_follows
+        from automodel.startup import without_collections
+
+        with without_collections():  # (the task's start-up: see automodel/startup.py)
+            from automodel.api import load_config
+            from automodel.errors import TrainingStopped
+            from automodel.launch.local import launch
+            from automodel.launch.preflight import preflight
+            from automodel.launch.slurm import requeue_follows
 
         try:
-            cfg = load_config(overrides, output_dir=output_dir, env=os.environ)
-            preflight(cfg)  # again in the task: the data cache the submitter built is opened
+            with without_collections():
+                cfg = load_config(overrides, output_dir=output_dir, env=os.environ)
+                preflight(cfg)  # again in the task: the submitter's data cache is opened
+                import automodel.recipes.train  # noqa: F401  (this task is a rank)
             return launch(cfg)
         except TrainingStopped as stopped:  # saved (and requeued): end the task without a
             # result, so submitit waits for the requeued run's
@@ -130,10 +135,12 @@ def main(argv: list[str] | None = None) -> int:
                           datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")).absolute())
     try:  # the whole preflight, against the world the job will have, before submitting
         from automodel.launch.preflight import preflight
+        from automodel.startup import without_collections
 
-        preflight(load_config(args.overrides, output_dir=output_dir,
-                              env=submit_env(args.nodes, args.tasks_per_node)),
-                  gpus=args.gpus_per_node)
+        with without_collections():
+            preflight(load_config(args.overrides, output_dir=output_dir,
+                                  env=submit_env(args.nodes, args.tasks_per_node)),
+                      gpus=args.gpus_per_node)
     except ConfigError as err:
         print(f"automodel: configuration error:\n{err}", file=sys.stderr)
         return 2

@@ -94,3 +94,12 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(
                 reason=f"needs {need} NVIDIA GPU(s) and a CUDA build of torch: "
                        + (why or f"{have} visible")))
+
+
+def pytest_collection_finish(session):
+    """What collection imported (torch, transformers, the test modules) is frozen out of the
+    garbage collector's walks for the rest of the run (``automodel/startup.py`` does the same
+    for a job's start-up)."""
+    import gc
+
+    gc.freeze()

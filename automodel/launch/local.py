@@ -136,6 +136,13 @@ def _user_signals_stop():
             signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
 
+def runs_here(cfg: TrainConfig) -> bool:
+    """This process is the job's rank (a SLURM task, a torchrun rank, or a one-process job),
+    not the launcher of local ranks."""
+    return (cfg.launch.kind == "slurm" or cfg.launch.external
+            or cfg.distributed.nproc_per_node == 1)
+
+
 def launch(cfg: TrainConfig):
     """Run the job; returns rank 0's result (its metric records)."""
     from automodel.models.builder import check_weights
