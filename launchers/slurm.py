@@ -29,17 +29,16 @@ class TrainJob:
     def __call__(self, overrides: list[str], output_dir: str):
         import os
 
+        from automodel.errors import TrainingStopped
+        from automodel.launch.slurm import requeue_follows
         from automodel.startup import without_collections
 
-        with without_collections():  # (the task's start-up: see automodel/startup.py)
-            from automodel.api import load_config
-            from automodel.errors import TrainingStopped
-            from automodel.launch.local import launch
-            from automodel.launch.preflight import preflight
-            from automodel.launch.slurm import requeue_follows
-
         try:
-            with without_collections():
+            with without_collections():  # (the task's start-up: see automodel/startup.py)
+                from automodel.api import load_config
+                from automodel.launch.local import launch
+                from automodel.launch.preflight import preflight
+
                 cfg = load_config(overrides, output_dir=output_dir, env=os.environ)
                 preflight(cfg)  # again in the task: the submitter's data cache is opened
                 import automodel.recipes.train  # noqa: F401  (this task is a rank)
