@@ -148,12 +148,12 @@ def launch(cfg: TrainConfig):
     from automodel.models.builder import check_weights
 
     check_weights(cfg.model)  # (not in the preflight: plan.py takes a config.json alone)
-    if cfg.launch.kind == "slurm":  # this srun task is one rank
-        from automodel.launch.slurm import export_rank_environment
+    if runs_here(cfg):
+        if cfg.launch.kind == "slurm":  # this srun task is one rank
+            from automodel.launch.slurm import export_rank_environment
 
-        export_rank_environment()
-        return _run_here(cfg, external=True)
-    if cfg.launch.external or cfg.distributed.nproc_per_node == 1:
+            export_rank_environment()
+            return _run_here(cfg, external=True)
         return _run_here(cfg, cfg.launch.external)  # (TrainingStopped after a stop signal)
 
     nproc = cfg.distributed.nproc_per_node
