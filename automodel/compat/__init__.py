@@ -57,6 +57,7 @@ from automodel.compat.torch_memory import (
     flight_recorder_entries,
     is_tensor_subclass,
     is_tensor_subclass_type,
+    map_tensors,
     tensor_leaves,
     watch_storage_resizes,
 )
@@ -117,6 +118,6 @@ __all__ = [
     "replace_parameter_table", "set_all_group_timeouts", "set_buffer", "set_options_timeout",
     "set_parameter", "stages_of", "unwrapped_name", "wrap_recv_methods",
     "FLIGHT_RECORDER_ENV", "flight_recorder_entries", "dispatch_mode_base",
-    "is_tensor_subclass", "is_tensor_subclass_type", "tensor_leaves",
+    "is_tensor_subclass", "is_tensor_subclass_type", "map_tensors", "tensor_leaves",
     "watch_storage_resizes",
 ]

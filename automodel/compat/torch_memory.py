@@ -22,6 +22,9 @@ INTERNALS = [
              patched=False, params=("t",)),
     Internal("torch.utils._pytree", "tree_leaves", _FEATURE, patched=False,
              params=("tree",)),
+    Internal("torch.utils._pytree", "tree_map_only", "a later pipeline stage's stand-ins for "
+             "the first stage's modules (shapes through a meta-device copy)", patched=False,
+             params=("type_or_types_or_pred", "func", "tree")),
     Internal("torch._C._distributed_c10d", "_dump_fr_trace", "trainer.profile_steps (each "
              "collective's process group, from c10d's flight recorder)", patched=False,
              params=()),
@@ -71,6 +74,15 @@ def tensor_leaves(tree) -> list:
     from torch.utils._pytree import tree_leaves
 
     return tree_leaves(tree)
+
+
+def map_tensors(fn, tree):
+    """``tree`` (nested tuples, lists, dicts, model outputs) with ``fn`` applied to each
+    tensor."""
+    import torch
+    from torch.utils._pytree import tree_map_only
+
+    return tree_map_only(torch.Tensor, fn, tree)
 
 
 @contextlib.contextmanager

@@ -1,15 +1,20 @@
-"""Where a causal LM keeps the parts a pipeline split places: token embedding, decoder-layer
-list, final norm and LM head.
+"""Where a causal LM keeps the parts a pipeline split places: the token embedding, the
+decoder-layer list, the modules that run before the layers (learned positions, an embedding
+norm, dropout) and after them (the final norm, an output projection), and the LM head.
 
-Read from the model itself: Hugging Face configs carry ``base_model_pp_plan`` (the base
-model's children in forward order: embedding, optional dropout, layers, final norm); models
-without one are searched (the input embeddings, the list holding the ``_no_split_modules``
-blocks, a norm child). A model whose base has other children with parameters cannot be split
-into stages and is refused, naming them.
+Read from the model itself. The *stack* is the module that holds the layer list (the list of
+``_no_split_modules`` blocks): the base model (``model``, ``transformer``) or a module inside
+it (OPT's ``model.decoder``). Its other children are ordered by the stack's own description
+of its forward, Hugging Face's ``base_model_pp_plan`` where the config has one, else the
+order in which the stack's ``forward`` first names them (``self.wpe`` before ``self.h``,
+``self.ln_f`` after). What runs before the layers belongs on the first stage, what runs after
+on the last. A module with parameters that neither names is refused, naming it.
 """
 
 from __future__ import annotations
 
+import inspect
+import re
 from dataclasses import dataclass
 
 from torch import nn
@@ -24,22 +29,29 @@ class AnatomyError(ValueError):
 @dataclass(frozen=True)
 class Anatomy:
     base: str  # attribute of the causal LM holding the base model (its base_model_prefix)
-    embed: str  # child of the base model: the token embedding
-    layers: str  # child of the base model: the decoder layers (a ModuleList)
-    norm: str | None  # child of the base model: the final norm (None: the model has none)
+    stack: str  # FQN (in the causal LM) of the module holding the layer list
+    embed: str  # child of the stack: the token embedding
+    layers: str  # child of the stack: the decoder layers (a ModuleList)
+    before: tuple  # children of the stack with parameters that run before the layers
+    after: tuple  # ... and after them (the final norm, an output projection)
     head: str  # FQN of the LM head in the causal LM
     num_layers: int
-    source: str  # "base_model_pp_plan" or "search"
+    source: str  # "base_model_pp_plan" or "forward" (the stack's forward's source)
 
     def fqn(self, child: str) -> str:
-        return f"{self.base}.{child}"
+        return f"{self.stack}.{child}"
+
+    @property
+    def norm(self) -> str | None:
+        """The final norm: the last module after the layers (None: nothing runs there)."""
+        return self.after[-1] if self.after else None
 
 
 def _family(model: nn.Module) -> str:
     return f"{type(model).__name__} (model_type {getattr(model.config, 'model_type', '?')!r})"
 
 
-def _has_params(module: nn.Module | None) -> bool:
+def has_params(module: nn.Module | None) -> bool:
     return module is not None and any(True for _ in module.parameters())
 
 
@@ -54,78 +66,79 @@ def find_anatomy(model: nn.Module) -> Anatomy:
     if not isinstance(base, nn.Module):
         raise AnatomyError(f"pipeline split of {family}: no base model at "
                            f"base_model_prefix={prefix!r}")
-    head_module = model.get_output_embeddings()
-    head = _child_name(model, head_module)
+    head = _child_name(model, model.get_output_embeddings())
     if head is None:
         raise AnatomyError(f"pipeline split of {family}: no LM head (get_output_embeddings() is "
                            "not a direct child of the model)")
-    plan = getattr(model.config, "base_model_pp_plan", None)
-    if plan:
-        embed, layers, norm, passive = _from_plan(base, dict(plan), family)
-        source = "base_model_pp_plan"
-    else:
-        embed, layers, norm, passive = _by_search(model, base, family)
-        source = "search"
-    placed = {embed, layers, norm, *passive} - {None}
-    stray = [n for n, m in base.named_children() if n not in placed and _has_params(m)]
-    stray += [f"(causal LM) {n}" for n, m in model.named_children()
-              if n not in (prefix, head) and _has_params(m)]
+    stack_fqn, layers = _find_layers(model, prefix, family)
+    stack = model.get_submodule(stack_fqn)
+    embed = _child_name(stack, model.get_input_embeddings())
+    if embed is None:
+        raise AnatomyError(f"pipeline split of {family}: the token embedding "
+                           f"(get_input_embeddings()) is not a child of {stack_fqn!r}, which holds "
+                           f"the layers {layers!r}")
+    plan = getattr(model.config, "base_model_pp_plan", None) if stack is base else None
+    order, source = (list(plan), "base_model_pp_plan") if plan else ([], "forward")
+    order += [n for n in _forward_order(stack) if n not in order]
+    if layers not in order:
+        raise AnatomyError(f"pipeline split of {family}: the forward of {type(stack).__name__} "
+                           f"never names its layer list {layers!r}")
+    i = order.index(layers)
+    named = {n: m for n, m in stack.named_children()}
+    before = tuple(n for n in order[:i] if n != embed and n in named and has_params(named[n]))
+    after = tuple(n for n in order[i + 1:] if n in named and has_params(named[n]))
+    if embed not in order[:i]:
+        raise AnatomyError(f"pipeline split of {family}: the token embedding {embed!r} does not "
+                           f"run before the layers {layers!r}")
+    placed = {embed, layers, *before, *after}
+    stray = [f"{stack_fqn}.{n}" for n, m in named.items() if n not in placed and has_params(m)]
+    stray += _stray_on_path(model, stack_fqn, head)
     if stray:
         raise AnatomyError(
-            f"pipeline split of {family}: {', '.join(stray)} hold parameters but are neither the "
-            f"embedding {embed!r}, the layer list {layers!r}, the final norm {norm!r} nor the "
-            f"LM head {head!r}; the stages cannot place them (use pipeline=none)")
-    return Anatomy(prefix, embed, layers, norm, head, len(getattr(base, layers)), source)
+            f"pipeline split of {family}: {', '.join(stray)} hold parameters but run neither "
+            f"before nor after the layer list {stack_fqn}.{layers} (as far as the forward of "
+            f"{type(stack).__name__} shows), nor are they the LM head {head!r}; the stages "
+            "cannot place them (use pipeline=none)")
+    return Anatomy(prefix, stack_fqn, embed, layers, before, after, head,
+                   len(getattr(stack, layers)), source)
 
 
-def _from_plan(base: nn.Module, plan: dict, family: str):
-    names = list(plan)
-    missing = [n for n in names if not isinstance(getattr(base, n, None), nn.Module)]
-    if missing:
-        raise AnatomyError(f"pipeline split of {family}: base_model_pp_plan names "
-                           f"{', '.join(missing)}, which the model does not have")
-    layers = [n for n in names if isinstance(getattr(base, n), nn.ModuleList)]
-    if len(layers) != 1:
-        raise AnatomyError(f"pipeline split of {family}: base_model_pp_plan must name exactly one "
-                           f"layer list, found {layers or 'none'} in {names}")
-    [layers_name] = layers
-    i = names.index(layers_name)
-    before, after = names[:i], names[i + 1:]
-    embeds = [n for n in before if "input_ids" in plan[n][0]]
-    if len(embeds) != 1:
-        raise AnatomyError(f"pipeline split of {family}: base_model_pp_plan has no single "
-                           f"embedding (a part taking input_ids) before {layers_name!r}")
-    [embed] = embeds
-    norms = [n for n in after if _has_params(getattr(base, n))]
-    if len(norms) > 1:
-        raise AnatomyError(f"pipeline split of {family}: base_model_pp_plan has several parts "
-                           f"with parameters after the layers ({', '.join(norms)})")
-    passive = [n for n in before + after if n != embed and n not in norms]
-    with_params = [n for n in passive if _has_params(getattr(base, n))]
-    if with_params:
-        raise AnatomyError(f"pipeline split of {family}: base_model_pp_plan places "
-                           f"{', '.join(with_params)} (with parameters) between the embedding and "
-                           "the layers")
-    return embed, layers_name, (norms[0] if norms else None), passive
-
-
-def _by_search(model: nn.Module, base: nn.Module, family: str):
-    embed = _child_name(base, model.get_input_embeddings())
+def _find_layers(model: nn.Module, prefix: str, family: str) -> tuple[str, str]:
+    """(FQN of the stack, name of its layer list): the one ModuleList of blocks in the base
+    model."""
     blocks = block_class_names(model)
-    layer_lists = [n for n, m in base.named_children() if isinstance(m, nn.ModuleList)
-                   and len(m) and type(m[0]).__name__ in blocks]
-    norms = [n for n, m in base.named_children()
-             if "norm" in type(m).__name__.lower() and _has_params(m)]
-    missing = []
-    if embed is None:
-        missing.append("the token embedding (get_input_embeddings() as a child of the base "
-                       "model)")
-    if len(layer_lists) != 1:
-        missing.append(f"one list of decoder layers of class {sorted(blocks) or '?'} "
-                       f"(found {layer_lists or 'none'})")
-    if len(norms) > 1:
-        missing.append(f"a single final norm (found {', '.join(norms)})")
-    if missing:
-        raise AnatomyError(f"pipeline split of {family}: the config has no base_model_pp_plan and "
-                           f"the model has no {'; no '.join(missing)}")
-    return embed, layer_lists[0], (norms[0] if norms else None), []
+    found = [n for n, m in model.get_submodule(prefix).named_modules(prefix=prefix)
+             if isinstance(m, nn.ModuleList) and len(m) and type(m[0]).__name__ in blocks]
+    outer = [n for n in found if not any(n.startswith(o + ".") for o in found if o != n)]
+    if len(outer) != 1:
+        raise AnatomyError(f"pipeline split of {family}: the model has no single list of decoder "
+                           f"layers of class {sorted(blocks) or '?'} (found {outer or 'none'})")
+    stack, _, layers = outer[0].rpartition(".")
+    return stack, layers
+
+
+def _forward_order(stack: nn.Module) -> list[str]:
+    """The stack's children in the order its forward first names them (``self.<child>``);
+    children it never names are left out."""
+    try:
+        source = inspect.getsource(type(stack).forward)
+    except (OSError, TypeError):
+        return []
+    first = {}
+    for name, _ in stack.named_children():
+        hit = re.search(rf"self\.{re.escape(name)}\b", source)
+        if hit is not None:
+            first[name] = hit.start()
+    return sorted(first, key=first.get)
+
+
+def _stray_on_path(model: nn.Module, stack_fqn: str, head: str) -> list[str]:
+    """Modules with parameters beside the path from the causal LM to the stack (other than
+    the head): no stage would hold them."""
+    stray, parent, path = [], model, ""
+    for part in stack_fqn.split("."):
+        for n, m in parent.named_children():
+            if n != part and not (parent is model and n == head) and has_params(m):
+                stray.append(f"{path}{n}" if path else f"(causal LM) {n}")
+        parent, path = getattr(parent, part), f"{path}{part}."
+    return stray

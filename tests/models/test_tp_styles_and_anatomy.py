@@ -64,23 +64,38 @@ def _meta(model_type, **kwargs):
 
 
 @pytest.mark.parametrize("model_type,expected", [
-    ("llama", ("model", "embed_tokens", "layers", "norm", "lm_head", "base_model_pp_plan")),
-    ("gpt_neox", ("gpt_neox", "embed_in", "layers", "final_layer_norm", "lm_head",
+    ("llama", ("model", "embed_tokens", "layers", (), ("norm",), "lm_head",
+               "base_model_pp_plan")),
+    ("gpt_neox", ("gpt_neox", "embed_in", "layers", (), ("final_layer_norm",), "lm_head",
                   "base_model_pp_plan")),
-    ("phi", ("model", "embed_tokens", "layers", "final_layernorm", "lm_head",
+    ("phi", ("model", "embed_tokens", "layers", (), ("final_layernorm",), "lm_head",
              "base_model_pp_plan")),
-    ("gptj", ("transformer", "wte", "h", "ln_f", "lm_head", "base_model_pp_plan")),
-    ("stablelm", ("model", "embed_tokens", "layers", "norm", "lm_head", "search")),
+    ("gptj", ("transformer", "wte", "h", (), ("ln_f",), "lm_head", "base_model_pp_plan")),
+    ("stablelm", ("model", "embed_tokens", "layers", (), ("norm",), "lm_head", "forward")),
+    # learned positions run before the blocks: they go to the first stage
+    ("gpt2", ("transformer", "wte", "h", ("wpe",), ("ln_f",), "lm_head", "forward")),
+    # BLOOM's embedding norm, before the blocks
+    ("bloom", ("transformer", "word_embeddings", "h", ("word_embeddings_layernorm",),
+               ("ln_f",), "lm_head", "forward")),
+    # the layers one level down (model.decoder), with learned positions and a final norm
+    ("opt", ("model.decoder", "embed_tokens", "layers", ("embed_positions",),
+             ("final_layer_norm",), "lm_head", "forward")),
 ])
-def test_anatomy_from_the_pp_plan_or_a_search(model_type, expected):
+def test_anatomy_from_the_pp_plan_or_the_forward(model_type, expected):
     a = find_anatomy(_meta(model_type))
-    assert (a.base, a.embed, a.layers, a.norm, a.head, a.source) == expected
+    assert (a.stack, a.embed, a.layers, a.before, a.after, a.head, a.source) == expected
     assert a.num_layers == 4
 
 
 def test_anatomy_refuses_parts_it_cannot_place():
-    with pytest.raises(AnatomyError, match="wpe"):  # GPT-2's learned positions
-        find_anatomy(_meta("gpt2"))
+    model = _meta("llama")
+    model.model.extra = torch.nn.Linear(4, 4, device="meta")  # never run by the forward
+    with pytest.raises(AnatomyError, match="model.extra hold parameters but run neither"):
+        find_anatomy(model)
+    model = _meta("llama")
+    model.side = torch.nn.Linear(4, 4, device="meta")  # beside the base model and the head
+    with pytest.raises(AnatomyError, match=r"\(causal LM\) side"):
+        find_anatomy(model)
 
 
 def error(*overrides):
@@ -99,8 +114,6 @@ def test_refusals_name_the_family_pattern_and_style():
     # no plan of its own, and not Llama's module names
     msg = error("mesh.tp_size=2", "model.config.model_type=gpt2")
     assert "GPT2LMHeadModel" in msg and "matches no module" in msg
-    msg = error("pipeline=1f1b", "model.config.model_type=gpt2")
-    assert "GPT2LMHeadModel" in msg and "wpe" in msg and "pipeline=none" in msg
 
 
 def test_plan_rules_use_the_model_itself():

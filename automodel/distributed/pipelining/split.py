@@ -27,7 +27,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from automodel.compat import child_module
+from automodel.compat import child_module, map_tensors, tensor_leaves
 from automodel.config.pipeline_layout import stage_layer_ranges
 from automodel.models.anatomy import Anatomy
 
@@ -132,7 +132,7 @@ def _stage_forward(self, x: torch.Tensor, carried: torch.Tensor | None = None):
     (``carried``: the previous stages')."""
     role: StageRole = self._pipeline_role
     base = getattr(self, role.anatomy.base)
-    layers = getattr(base, role.anatomy.layers)
+    layers = getattr(self.get_submodule(role.anatomy.stack), role.anatomy.layers)
     positions = (role.positions(x.shape[1], x.device) if role.positions is not None
                  else torch.arange(x.shape[1], device=x.device))
     kwargs = dict(position_ids=positions.unsqueeze(0), use_cache=False)
@@ -179,17 +179,18 @@ def even_contents(num_layers: int, num_stages: int, layers_per_stage: int | None
 
 
 def contents_from_fqns(model: nn.Module, anatomy: Anatomy, fqns_per_part: list) -> list:
-    """``pipeline.module_fqns_per_model_part`` -> stage contents, checked against the model."""
-    base = getattr(model, anatomy.base)
+    """``pipeline.module_fqns_per_model_part`` -> stage contents, checked against the model.
+    The modules before the layers go with the embedding (first part), those after with the
+    head (last part); naming them is allowed, not needed."""
+    stack = model.get_submodule(anatomy.stack)
     num_layers = anatomy.num_layers
-    embed = anatomy.fqn(anatomy.embed)
-    norm = anatomy.fqn(anatomy.norm) if anatomy.norm else None
-    ends = {anatomy.head} | ({norm} if norm else set())
-    passive = {anatomy.fqn(n) for n, m in base.named_children()
+    starts = {anatomy.fqn(n) for n in (anatomy.embed, *anatomy.before)}
+    ends = {anatomy.head} | {anatomy.fqn(n) for n in anatomy.after}
+    passive = {anatomy.fqn(n) for n, m in stack.named_children()
                if not any(True for _ in m.parameters())}
     layer_fqn = re.compile(rf"^{re.escape(anatomy.fqn(anatomy.layers))}\.(\d+)$")
-    allowed = f"{embed}, {anatomy.fqn(anatomy.layers)}.<0..{num_layers - 1}>, " + ", ".join(
-        sorted(ends))
+    allowed = ", ".join([*sorted(starts), f"{anatomy.fqn(anatomy.layers)}.<0..{num_layers - 1}>",
+                         *sorted(ends)])
     contents, seen = [], []
     for i, fqns in enumerate(fqns_per_part):
         stage = StageContents([], False, False)
@@ -197,7 +198,7 @@ def contents_from_fqns(model: nn.Module, anatomy: Anatomy, fqns_per_part: list) 
             m = layer_fqn.match(fqn)
             if m and int(m.group(1)) < num_layers:
                 stage.layers.append(int(m.group(1)))
-            elif fqn == embed:
+            elif fqn in starts:
                 stage.embed = True
             elif fqn in ends:
                 stage.head = True
@@ -214,7 +215,8 @@ def contents_from_fqns(model: nn.Module, anatomy: Anatomy, fqns_per_part: list) 
         raise ValueError("pipeline.module_fqns_per_model_part: every part needs at least one "
                          "decoder layer")
     if not contents[0].embed or any(c.embed for c in contents[1:]):
-        raise ValueError(f"pipeline.module_fqns_per_model_part: {embed} belongs to the first part")
+        raise ValueError(f"pipeline.module_fqns_per_model_part: {' and '.join(sorted(starts))} "
+                         "belong to the first part")
     if not contents[-1].head or any(c.head for c in contents[:-1]):
         raise ValueError(f"pipeline.module_fqns_per_model_part: {' and '.join(sorted(ends))} "
                          "belong to the last part")
@@ -229,22 +231,50 @@ def ties_embeddings(model: nn.Module) -> bool:
 
 def build_stage(model: nn.Module, anatomy: Anatomy, contents: StageContents,
                 patch_inner: bool = True, patch_causal_lm: bool = True) -> nn.Module:
-    """A pruned deep copy of ``model`` holding only ``contents``."""
+    """A pruned deep copy of ``model`` holding only ``contents``. On a stage that does not
+    start the model, the modules that run before the layers are stand-ins (``StandIn``: the
+    stage's input replaces what they make); on one that does not end it, those after the
+    layers are identities (the stage returns its last layer's output)."""
     tied = ties_embeddings(model)
     stage = copy.deepcopy(model)
-    base = getattr(stage, anatomy.base)
-    layers = getattr(base, anatomy.layers)
+    stack = stage.get_submodule(anatomy.stack)
+    layers = getattr(stack, anatomy.layers)
     if patch_inner:
-        setattr(base, anatomy.layers, StageLayers(layers, contents.layers))
+        setattr(stack, anatomy.layers, StageLayers(layers, contents.layers))
     else:  # the model's own forward copes with a pruned list (original keys kept)
-        setattr(base, anatomy.layers, nn.ModuleDict({str(i): layers[i] for i in contents.layers}))
-    if not contents.embed and not (tied and contents.head):
-        setattr(base, anatomy.embed, None)  # later stages pass inputs_embeds
+        setattr(stack, anatomy.layers, nn.ModuleDict({str(i): layers[i] for i in contents.layers}))
+    if not contents.embed:
+        if not (tied and contents.head):
+            setattr(stack, anatomy.embed, None)  # later stages pass inputs_embeds
+        for name in anatomy.before:
+            setattr(stack, name, StandIn(getattr(stack, name)))
     if not contents.head:
-        if anatomy.norm is not None:
-            setattr(base, anatomy.norm, nn.Identity())
+        for name in anatomy.after:
+            setattr(stack, name, nn.Identity())
         setattr(stage, anatomy.head, None)
     if patch_causal_lm:
         stage._pipeline_role = StageRole(anatomy, contents.embed, contents.head)
         stage.forward = types.MethodType(_stage_forward, stage)
     return stage
+
+
+class StandIn(nn.Module):
+    """A module of the first stage (learned positions, an embedding norm) on a later stage:
+    no parameters; returns zeros of the shape the module would return, computed by a copy of
+    it on the meta device. The base model's forward still runs it on its placeholder input;
+    the stage's received hidden states then replace the result (``StageLayers``)."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.__dict__["_shape_of"] = copy.deepcopy(module).to("meta")  # (not a submodule)
+        self.replaces = type(module).__name__
+
+    def forward(self, *args, **kwargs):
+        device = next((t.device for t in tensor_leaves((args, kwargs))
+                       if isinstance(t, torch.Tensor)), torch.device("cpu"))
+        args, kwargs = map_tensors(lambda t: t.to("meta"), (args, kwargs))
+        out = self._shape_of(*args, **kwargs)
+        return map_tensors(lambda t: torch.zeros(t.shape, dtype=t.dtype, device=device), out)
+
+    def extra_repr(self) -> str:
+        return f"stands in for {self.replaces}"
