@@ -37,6 +37,7 @@ from automodel.distributed.tp_extra_styles import (
     MlaKvAProj,
     ReplicatedWithGradAllReduce,
 )
+from automodel.distributed.tp_heads import localize_head_counts
 from automodel.models.tp_plans import matches
 
 log = logging.getLogger(__name__)
@@ -121,10 +122,16 @@ def expand_plan(model: nn.Module, plan: dict, source: str,
     return concrete
 
 
+def head_split_modules(concrete: dict[str, str]) -> list[str]:
+    """The attention modules whose heads the plan splits: parents of column-wise q/k/v."""
+    parents = {fqn.rpartition(".")[0] for fqn, style in concrete.items()
+               if style == "colwise" and fqn.rsplit(".", 1)[-1] in _HEAD_PROJECTIONS}
+    return sorted(parents)
+
+
 def splits_heads(concrete: dict[str, str]) -> bool:
     """Whether a resolved plan splits attention heads over the TP ranks (q/k/v colwise)."""
-    return any(style == "colwise" and fqn.rsplit(".", 1)[-1] in _HEAD_PROJECTIONS
-               for fqn, style in concrete.items())
+    return bool(head_split_modules(concrete))
 
 
 def check_divisibility(model: nn.Module, concrete: dict[str, str], tp: int) -> None:
@@ -214,6 +221,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: dict, source: str,
             styles.setdefault(fqn, style)
     parallelize_module(model, tp_mesh, styles)
     _retie_embeddings(model)
+    localize_head_counts(model, head_split_modules(concrete), tp_mesh.size())
     if async_tp:
         enable_async_tp(tp_mesh)
     log.info("tensor parallel over %d ranks with %s (%d modules%s)", tp_mesh.size(), source,
