@@ -25,6 +25,9 @@ class DistributedConfig:
     startup_timeout_minutes: int = 30  # the same until the first step ends, and around what
     # rank 0 does alone (checkpoint save and export, W&B start and finish)
     nproc_per_node: Optional[int] = None  # null = product of mesh sizes (2 for DP strategies)
+    # before launch, one training step of each pipeline rank on fake tensors (the model cut to
+    # a layer per stage) for layouts with tp, cp, pp or ep: a layout that would crash is refused
+    preflight_step: bool = True
     stop_grace_seconds: int = 120  # after SIGTERM the local launcher gives its ranks this long
     # to finish the step and save a checkpoint before killing them (torchrun: set
     # TORCH_ELASTIC_SHUTDOWN_TIMEOUT; SLURM: the job's signal delay)

@@ -79,6 +79,8 @@ def apply_fsdp2(model: nn.Module, block_fqns: list[str], mesh: DeviceMesh, opts:
                 own = opts.moe.reshard_after_forward
                 fully_shard(module, reshard_after_forward=reshard if own is None else own,
                             **{**common, "mesh": expert_mesh})
+        for module in own_dtype_modules(block, expert_modules):
+            fully_shard(module, reshard_after_forward=reshard, **common)
         original = type(block)
         fully_shard(block, reshard_after_forward=reshard, **common)
         keep_output_recording(block, original)  # (a whole tower is a transformers model)
@@ -92,6 +94,30 @@ def apply_fsdp2(model: nn.Module, block_fqns: list[str], mesh: DeviceMesh, opts:
     if opts.enable_fsdp2_prefetch:
         set_prefetch(blocks, opts.fsdp2_forward_prefetch_depth, opts.fsdp2_backward_prefetch_depth)
     return blocks
+
+
+def own_dtype_modules(block: nn.Module, skip=()) -> list[nn.Module]:
+    """Modules of ``block`` whose trainable parameters keep a dtype other than the block's
+    (a router kept in float32 among bfloat16 weights: DeepSeek-V3's ``gate``): FSDP2 needs
+    one dtype per unit, so each becomes a unit of its own (outermost ones; not inside
+    ``skip``, the experts sharded apart)."""
+    sizes: dict = {}
+    for p in block.parameters():
+        if p.requires_grad:
+            sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel()
+    if len(sizes) < 2:
+        return []
+    main = max(sizes, key=sizes.get)
+    inside = [m for s in skip for m in s.modules()]
+    found: list[nn.Module] = []
+    for _, module in block.named_modules():
+        own = [p for p in module.parameters() if p.requires_grad]
+        if (module is block or not own or any(p.dtype == main for p in own)
+                or any(module is m for m in inside)
+                or any(module is m for f in found for m in f.modules())):
+            continue
+        found.append(module)
+    return found
 
 
 def tower_as_one_unit(model: nn.Module, block_fqns: list[str]) -> list[str]:

@@ -15,6 +15,7 @@ from typing import Union
 
 from automodel.config.build import ConfigError
 from automodel.config.resolve import TrainConfig
+from automodel.launch.fake_step import check_fake_step
 from automodel.launch.support import check_runtime_support
 
 log = logging.getLogger(__name__)
@@ -177,6 +178,16 @@ def _first_line(err: Exception) -> str:
     return " ".join(lines[:2])[:500]
 
 
+def family_name(cfg: TrainConfig) -> str:
+    """The model's class and model_type, from its config (nothing built)."""
+    from automodel.compat import causal_lm_class, has_causal_lm
+    from automodel.models.builder import hf_config
+
+    config = hf_config(cfg.model)
+    name = causal_lm_class(config).__name__ if has_causal_lm(config) else type(config).__name__
+    return f"{name} (model_type {config.model_type!r})"
+
+
 def _which(cfg: TrainConfig) -> str:
     m = cfg.model
     return (f"model.pretrained_path={m.pretrained_path!r}" if m.pretrained_path else
@@ -249,6 +260,7 @@ PREFLIGHT_CHECKS = (
     ("runtime support", check_runtime_support),
     ("resume checkpoint", check_resume_checkpoint),
     ("model layout", check_model_layout),
+    ("fake step", check_fake_step),
     ("data", prepare_data),
     ("nodes", warn_split_axes),
 )

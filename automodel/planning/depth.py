@@ -40,7 +40,7 @@ MIN_LAYERS = 12  # per stage: below this the whole model is simulated (no time s
 SHALLOW_GATHERED = (2, 3)  # ... where FSDP2 keeps the pipeline's layers gathered all step
 MIN_LAYERS_GATHERED = 8
 # config keys that make layers differ (dense layers before MoE ones, attention patterns)
-_PER_LAYER_KEYS = ("first_k_dense_replace", "mlp_only_layers", "layer_types",
+PER_LAYER_KEYS = ("first_k_dense_replace", "mlp_only_layers", "layer_types",
                    "decoder_sparse_step", "moe_layer_freq", "sliding_window_pattern")
 
 
@@ -82,7 +82,7 @@ def shallow_depths(cfg: TrainConfig) -> tuple[int, list[int], tuple[int, int]] |
     text = mm.text_config(hf_config(cfg.model))
     if mm.is_image_text(hf_config(cfg.model)) or any(
             getattr(text, k, None) not in (None, 1, [], 0) and not _uniform(getattr(text, k))
-            for k in _PER_LAYER_KEYS):
+            for k in PER_LAYER_KEYS):
         return None
     stages = stage_count(cfg)
     sizes = [len(r) for r in stage_layer_ranges(text.num_hidden_layers, stages)]

@@ -9,6 +9,7 @@
   ops (no tensor input) stay fake, so nothing large is ever allocated.
 - ``allocate_fake``: ``parallelize``'s materialization: every parameter and buffer of the parts
   gets fake storage of its shape, dtype and placement; tied weights stay tied.
+- ``ModuleTrail``: which module of the parts was running when a step failed.
 """
 
 from __future__ import annotations
@@ -81,3 +82,47 @@ def _empty(t: torch.Tensor) -> torch.Tensor:
                                   t.placements, run_check=False, shape=t.shape,
                                   stride=t.stride())
     return torch.empty_like(t, device="cpu")
+
+
+class ModuleFailed(RuntimeError):
+    """A step failed inside a module's forward: ``module`` is its name in the model
+    (innermost first), ``error`` what it raised."""
+
+    def __init__(self, module: str, error: BaseException):
+        super().__init__(f"in {module}: {type(error).__name__}: {error}")
+        self.module, self.error = module, error
+
+
+class ModuleTrail:
+    """Inside, the modules of ``parts`` whose forward is running are followed (global module
+    hooks); an exception raised inside one leaves as ``ModuleFailed`` naming the innermost."""
+
+    def __init__(self, parts: list):
+        self._names = {id(m): n for part in parts for n, m in part.named_modules() if n}
+        self._running: list = []
+        self._failed: str | None = None
+        self._handles: list = []
+
+    def _enter(self, module, args):
+        self._running.append(self._names.get(id(module)))
+
+    def _leave(self, module, args, output):
+        self._running.pop()
+
+    def __enter__(self):
+        from torch.nn.modules.module import (
+            register_module_forward_hook,
+            register_module_forward_pre_hook,
+        )
+
+        self._handles = [register_module_forward_pre_hook(self._enter),
+                         register_module_forward_hook(self._leave)]
+        return self
+
+    def __exit__(self, kind, error, tb):
+        for h in self._handles:
+            h.remove()
+        inner = next((n for n in reversed(self._running) if n), None)
+        if error is not None and isinstance(error, Exception) and inner is not None:
+            raise ModuleFailed(inner, error) from error
+        return False

@@ -87,6 +87,26 @@ def fake_world(world_size: int, rank: int):
 
 def simulate_rank(cfg: TrainConfig, rank: int) -> RankSimulation:
     """Build and run ``cfg``'s job as its rank ``rank`` would, on fake tensors."""
+    with fake_job(cfg, rank) as (job, batches, mesh):
+        return _measure(job, batches(1), rank, axis_groups(mesh))
+
+
+def fake_step(cfg: TrainConfig, rank: int) -> None:
+    """One training step of ``cfg``'s rank ``rank`` on fake tensors, nothing measured (the
+    preflight's check, ``launch/fake_step.py``). An exception in the model's forward is
+    raised as ``ModuleFailed``, naming the innermost module that was running."""
+    from automodel.planning.fake import ModuleTrail
+
+    with fake_job(cfg, rank) as (job, batches, _):
+        with ModuleTrail(job.parallel.parts):
+            job.step(batches(0))
+
+
+@contextlib.contextmanager
+def fake_job(cfg: TrainConfig, rank: int):
+    """``cfg``'s job built as its rank ``rank`` builds it, in a fake world of the job's size
+    on fake tensors: yields (the job, ``step -> micro-batches``, the mesh) inside the fake
+    mode."""
     from automodel.distributed.init import DistInfo
     from automodel.distributed.mesh import build_mesh_for
     from automodel.planning.batches import planning_batches
@@ -103,7 +123,7 @@ def simulate_rank(cfg: TrainConfig, rank: int) -> RankSimulation:
                 value_checks_pass_on_fake_tensors(), split_backward_tracked():
             with RealStaysReal():  # (the mesh's index arithmetic, while parallelizing)
                 job = _build(cfg, setup)
-            return _measure(job, batches(1), rank, axis_groups(mesh))
+            yield job, batches, mesh
 
 
 def static_stage_shapes(cfg: TrainConfig) -> TrainConfig:

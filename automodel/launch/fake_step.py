@@ -1,0 +1,247 @@
+"""The preflight's fake step: one training step of each pipeline rank of the job, run in this
+process on fake tensors before any process group starts, so that a layout that would crash
+in its first step is refused before launch, naming the family, the layout and the module.
+
+It is the planner's simulation of a rank (``planning/simulate.py``: a fake process group of
+the job's size, automodel's own mesh, ``parallelize``, optimizer and step; no byte of the
+model allocated), cut down to a shape check:
+
+- the model cut to one decoder layer per pipeline stage, two at least where its layers
+  differ (config keys that describe layers by index are cut to match, keeping each kind of
+  layer where there is room); stages the user placed by name keep the whole model;
+- one local batch of the job's shapes per rank (no gradient accumulation; under a pipeline,
+  as many micro-batches of the job's size as its schedule needs at least);
+- one rank per kind of pipeline rank (the ranks of a stage hold equal shares, and ranks
+  holding only middle stages, as many, take the same shapes);
+- nothing measured, and at most ``TIME_BOUND_SECONDS``: a step still running then is cut
+  short with a warning, and the job starts unchecked.
+
+Layouts without tensor, context, pipeline or expert parallelism run the model's own code as
+one process does and are not stepped. ``distributed.preflight_step=false`` turns it off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import signal
+import threading
+import time
+
+from automodel.config.build import ConfigError
+from automodel.config.resolve import TrainConfig
+
+log = logging.getLogger(__name__)
+
+TIME_BOUND_SECONDS = 30.0
+
+
+class _OutOfTime(BaseException):
+    """Raised in the main thread when the bound passes (a BaseException: model code that
+    catches Exception must not swallow it)."""
+
+
+def needs_fake_step(cfg: TrainConfig) -> bool:
+    m = cfg.mesh
+    return cfg.distributed.preflight_step and max(m.tp_size, m.cp_size, m.ep_size,
+                                                  cfg.layout.pp) > 1
+
+
+def check_fake_step(cfg: TrainConfig) -> None:
+    """Raise ``ConfigError`` when a rank's first step of ``cfg``'s layout fails on fake
+    tensors."""
+    if not needs_fake_step(cfg):
+        return
+    import torch.distributed as dist
+
+    from automodel.planning.strategies import REFUSED
+
+    if dist.is_initialized():  # (every entry point runs the preflight before its group)
+        log.info("preflight: no fake step inside a running process group")
+        return
+    if cfg.strategy.name in REFUSED:
+        log.info("preflight: no fake step for parallelism=%s (%s)", cfg.strategy.name,
+                 REFUSED[cfg.strategy.name].split(":")[0])
+        return
+    from automodel.planning.plan import layout_text
+    from automodel.planning.simulate import fake_step
+
+    step_cfg, layers = cut_down(cfg)
+    start = time.monotonic()
+    classes = distinct_rank_classes(step_cfg)
+    try:
+        with _time_bound(TIME_BOUND_SECONDS), _quiet():
+            for c in classes:
+                _step_or_refuse(fake_step, step_cfg, c, layers, layout_text(cfg))
+    except _OutOfTime:
+        log.warning("preflight: the fake step of %s did not finish within %.0f s and was cut "
+                    "short; the job starts without it (distributed.preflight_step=false skips "
+                    "it)", layout_text(cfg), TIME_BOUND_SECONDS)
+        return
+    log.info("preflight: one step of %s on fake tensors (%d rank class%s, %d layer%s) in "
+             "%.1f s", layout_text(cfg), len(classes), "es" if len(classes) > 1 else "",
+             layers, "s" if layers > 1 else "", time.monotonic() - start)
+
+
+def distinct_rank_classes(cfg: TrainConfig) -> list:
+    """The planner's rank classes (one per pipeline rank), one of each kind: ranks whose
+    stages are alike (as many, none first or last) take the same shapes, so the first
+    stands for the others."""
+    from automodel.planning.plan import rank_classes
+
+    classes = rank_classes(cfg)
+    if cfg.pipeline is None:
+        return classes
+    from automodel.distributed.pipelining.schedule import stage_layout
+    from automodel.models import multimodal as mm
+    from automodel.models.builder import hf_config
+
+    layers = mm.text_config(hf_config(cfg.model)).num_hidden_layers
+    num_stages, by_rank = stage_layout(cfg.pipeline, cfg.layout.pp, layers)
+    seen, out = set(), []
+    for c, stages in zip(classes, by_rank):
+        kind = (len(stages), 0 in stages, num_stages - 1 in stages)
+        if kind not in seen:
+            seen.add(kind)
+            out.append(c)
+    return out
+
+
+def _step_or_refuse(fake_step, cfg: TrainConfig, rank_class, layers: int, layout: str) -> None:
+    from automodel.planning.fake import ModuleFailed
+
+    try:
+        fake_step(cfg, rank_class.rank)
+    except ConfigError:
+        raise
+    except ModuleFailed as failed:
+        raise ConfigError(_refusal(cfg, layout, rank_class, layers, f"in {failed.module}",
+                                   failed.error)) from None
+    except Exception as err:
+        raise ConfigError(_refusal(cfg, layout, rank_class, layers,
+                                   "outside the modules' forward", err)) from None
+
+
+def _refusal(cfg: TrainConfig, layout: str, rank_class, layers: int, where: str,
+             err: BaseException) -> str:
+    from automodel.launch.preflight import family_name
+
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    what = f"{type(err).__name__}: {' '.join(lines[:3])[:600].rstrip('.')}"
+    return (f"{family_name(cfg)} cannot train with {layout}: one training step of "
+            f"{rank_class.name} (rank {rank_class.rank}), run before launch on fake tensors "
+            f"with the model cut to {layers} layer{'s' if layers > 1 else ''}, fails {where}: "
+            f"{what}. Every rank would fail the same way in step 1. Choose another layout "
+            "(e.g. without mesh.tp_size, mesh.cp_size, the pipeline or mesh.ep_size; "
+            "docs/options.md lists what each family supports), or give the model a "
+            "parallelism.tp_plan of its own. (distributed.preflight_step=false skips this "
+            "check.)")
+
+
+def cut_down(cfg: TrainConfig) -> tuple[TrainConfig, int]:
+    """(``cfg`` with the model cut to one layer per pipeline stage, two at least where its
+    layers differ, and one local batch per rank; its layer count). Stages placed by name
+    (``module_fqns_per_model_part``, a CSV schedule) keep every layer."""
+    from automodel.models import multimodal as mm
+    from automodel.models.builder import hf_config
+    from automodel.planning.depth import stage_count
+
+    p = cfg.pipeline
+    text = mm.text_config(hf_config(cfg.model))
+    total = text.num_hidden_layers
+    layers = total
+    if p is None or (p.module_fqns_per_model_part is None and p.pp_schedule_csv is None):
+        layers = min(total, max(stage_count(cfg), 2 if _layers_differ(text) else 1))
+    changes = {}
+    if layers < total:
+        changes["model"] = dataclasses.replace(cfg.model, config={
+            **cfg.model.config, **_per_layer_keys(text, layers), "num_hidden_layers": layers})
+        if p is not None and p.layers_per_stage is not None:
+            changes["pipeline"] = dataclasses.replace(p, layers_per_stage=1)
+    changes.update(_one_batch(cfg, changes.get("pipeline", p)))
+    return dataclasses.replace(cfg, **changes), layers
+
+
+def _one_batch(cfg: TrainConfig, p) -> dict:
+    """One local batch per rank, no gradient accumulation; under a pipeline the fewest
+    micro-batches its schedule takes (a CSV schedule keeps the job's)."""
+    t, dp = cfg.trainer, cfg.layout.dp
+    if p is None:
+        return {"trainer": dataclasses.replace(t, global_batch_size=dp * t.local_batch_size)}
+    if p.pp_schedule_csv is not None:
+        return {}
+    from automodel.config.pipeline_layout import canonical_schedule
+
+    pp = cfg.layout.pp
+    per_rank = p.pp_microbatch_size * pp * (2 if canonical_schedule(p.pp_schedule) ==
+                                            "dualpipev" else 1)
+    return {"trainer": dataclasses.replace(t, global_batch_size=dp * per_rank,
+                                           local_batch_size=per_rank),
+            "pipeline": dataclasses.replace(p, pp_batch_size=None)}
+
+
+def _layers_differ(text) -> bool:
+    from automodel.planning.depth import PER_LAYER_KEYS
+
+    return any(getattr(text, k, None) not in (None, 0, 1, [])
+               and not (isinstance(getattr(text, k), (list, tuple))
+                        and len(set(getattr(text, k))) <= 1) for k in PER_LAYER_KEYS)
+
+
+def _per_layer_keys(text, layers: int) -> dict:
+    """Config keys that describe layers by index, for the first ``layers`` layers, keeping
+    each kind of layer where there is room: lists of one value per layer (``layer_types``)
+    take the first layer of each kind, then the next ones; a count of leading dense layers
+    (``first_k_dense_replace``) leaves at least one layer of the other kind."""
+    out: dict = {}
+    for key, value in vars(text).items():
+        if isinstance(value, (list, tuple)) and len(value) == text.num_hidden_layers:
+            first = sorted({value.index(v) for v in value})
+            rest = [i for i in range(len(value)) if i not in first]
+            out[key] = [value[i] for i in sorted((first + rest)[:layers])]
+    k = getattr(text, "first_k_dense_replace", None)
+    if isinstance(k, int) and k >= layers:
+        out["first_k_dense_replace"] = layers - 1
+    return out
+
+
+@contextlib.contextmanager
+def _quiet():
+    """Without torch's own reports of what the step does on fake tensors: the fake mode's
+    log of a failing op (the refusal says it), DTensor's advice on redistributions (the
+    planner's concern), warnings of the model's forward."""
+    import warnings
+
+    loggers = [logging.getLogger(name) for name in ("torch._subclasses.fake_tensor",
+                                                    "torch.distributed.tensor._redistribute")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
+@contextlib.contextmanager
+def _time_bound(seconds: float):
+    """Raise ``_OutOfTime`` in the main thread after ``seconds`` (SIGALRM); elsewhere, no
+    bound."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expire(signum, frame):
+        raise _OutOfTime()
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
