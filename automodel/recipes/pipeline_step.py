@@ -13,6 +13,7 @@ from automodel.compat import defer_reduce_grad, stages_of
 from automodel.data.batches import IGNORE_INDEX
 from automodel.distributed.mesh import MeshAxis
 from automodel.distributed.pipelining.buffer_pool import pool_schedule, recv_buffer_bytes
+from automodel.distributed.pipelining.schedule import stages_by_rank
 from automodel.distributed.pipelining.stages import PipelineLoss, build_schedule, load_loss_fn
 from automodel.distributed.pipelining.tied import TiedEmbeddingSync
 from automodel.distributed.setup import DistributedSetup
@@ -42,8 +43,9 @@ class PipelineStep:
         self.has_first = 0 in parallel.stage_ids
         self.has_last = parallel.num_stages - 1 in parallel.stage_ids
         self.pp_group = setup.mesh[MeshAxis.PP].get_group()
-        self.tied = (TiedEmbeddingSync(self.parts, parallel.stage_ids, parallel.num_stages,
-                                       setup.mesh, setup.dist.timeout)
+        holders = stages_by_rank(p, setup.size(MeshAxis.PP), parallel.num_stages)
+        self.tied = (TiedEmbeddingSync(self.parts, parallel.stage_ids, holders, setup.mesh,
+                                       setup.dist.timeout)
                      if parallel.tied_embeddings else None)
         self.loss = PipelineLoss(parallel.head_loss or load_loss_fn(p.loss_fn), router_loss,
                                  setup.cp.cp_group if setup.cp is not None else None)

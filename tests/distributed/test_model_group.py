@@ -101,7 +101,7 @@ def _tied_grads(pp_mesh, stage: int) -> list:
     from automodel.distributed.pipelining.tied import TiedEmbeddingSync
 
     part = _Ends()
-    sync = TiedEmbeddingSync([part], [stage], 2, pp_mesh, datetime.timedelta(minutes=1))
+    sync = TiedEmbeddingSync([part], [stage], [[0], [1]], pp_mesh, datetime.timedelta(minutes=1))
     weight = part.embed.weight if stage == 0 else part.head.weight
     weight.grad = torch.full_like(weight, float(stage + 1))
     sync.sync_grads()

@@ -76,8 +76,16 @@ def stage_layout(pipeline, pp_size: int, num_layers: int | None = None
         num_stages = count_stages(num_layers, pp_size, spec.multi_stage, spec.v_placement,
                                   pipeline.layers_per_stage,
                                   pipeline.round_virtual_stages_to_pp_multiple)
-    return num_stages, [stages_of_rank(r, pp_size, num_stages, spec.v_placement)
-                        for r in range(pp_size)]
+    return num_stages, stages_by_rank(pipeline, pp_size, num_stages)
+
+
+def stages_by_rank(pipeline, pp_size: int, num_stages: int) -> list[list[int]]:
+    """Each pp rank's stage indices, for ``num_stages`` stages (``stage_layout``'s second
+    half: every rank can tell where any stage lives without asking the others)."""
+    if pipeline.pp_schedule_csv is not None:
+        return read_csv_layout(pipeline.pp_schedule_csv).stages_by_rank
+    spec = schedule_spec(pipeline.pp_schedule)
+    return [stages_of_rank(r, pp_size, num_stages, spec.v_placement) for r in range(pp_size)]
 
 
 def make_schedule(stages: list, pipeline, n_microbatches: int, **kwargs):

@@ -236,7 +236,10 @@ def build_stage(model: nn.Module, anatomy: Anatomy, contents: StageContents,
     stage's input replaces what they make); on one that does not end it, those after the
     layers are identities (the stage returns its last layer's output)."""
     tied = ties_embeddings(model)
-    stage = copy.deepcopy(model)
+    # buffers the build computed on the host (rotary frequencies, embedding scales) are shared,
+    # not copied: alike on every stage, and each part gets its own at materialization
+    # (``to_empty``); so the copy allocates nothing, also under the planner's fake mode
+    stage = copy.deepcopy(model, memo={id(b): b for b in model.buffers() if not b.is_meta})
     stack = stage.get_submodule(anatomy.stack)
     layers = getattr(stack, anatomy.layers)
     if patch_inner:

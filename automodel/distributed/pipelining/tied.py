@@ -17,7 +17,6 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from automodel.compat import local_tensor
-from automodel.distributed.mesh import MeshAxis
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -25,16 +24,15 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 class TiedEmbeddingSync:
-    def __init__(self, parts: list[nn.Module], stage_ids: list[int], num_stages: int,
+    def __init__(self, parts: list[nn.Module], stage_ids: list[int], holders: list,
                  mesh, timeout):
+        """``holders``: each pp rank's stage indices (``schedule.stages_by_rank``)."""
+        num_stages = 1 + max(s for ids in holders for s in ids)
         last = num_stages - 1
         # this rank's copies of the shared weight, by stage
         self.copies = {sid: (part.get_input_embeddings() if sid == 0
                              else part.get_output_embeddings()).weight
                        for part, sid in zip(parts, stage_ids) if sid in (0, last)}
-        pp_group = mesh[MeshAxis.PP].get_group()
-        holders: list = [None] * dist.get_world_size(pp_group)
-        dist.all_gather_object(holders, list(stage_ids), group=pp_group)
         first_pp = next(r for r, ids in enumerate(holders) if 0 in ids)
         last_pp = next(r for r, ids in enumerate(holders) if last in ids)
         self.group = None
