@@ -229,9 +229,10 @@ class HFDataConfig:
     split: str = "train"
     text_field: str = "text"
     template: Optional[str] = None  # "{instruction}\n{response}": record fields, not text_field
-    # text (text_field / template) | chat (messages_field, through the tokenizer's chat
-    # template) | prompt_completion (prompt_field + completion_field)
-    format: str = "text"
+    # auto (from the first record) | text (text_field / template) | chat (messages_field,
+    # through the tokenizer's chat template) | prompt_completion (prompt_field +
+    # completion_field)
+    format: str = "auto"
     messages_field: str = "messages"
     prompt_field: str = "prompt"
     completion_field: str = "completion"

@@ -137,15 +137,37 @@ def check_hf(data: s.HFDataConfig, model: s.ModelConfig) -> s.HFDataConfig:
                  "csv)")
     data = _tokenizer_dir(data, model)
     _byte_level_vocab(data, model, data.tokenizer_path is None)
+    data = _resolve_format(data)
     _check_sft(data)
     return data
 
 
+def _resolve_format(data: s.HFDataConfig) -> s.HFDataConfig:
+    """``data.format=auto``: the format the first record shows (``data/sft.py``), logged;
+    an explicit format is kept as it is."""
+    from automodel.data.sft import FORMATS, detect_format
+
+    if data.format not in FORMATS:
+        raise ConfigError(f"data.format={data.format!r}: one of {', '.join(FORMATS)}")
+    if data.format != "auto":
+        return data
+    from automodel.data.hf_dataset import check_source, first_record
+
+    try:
+        check_source(data.path, data.split)
+        record = first_record(data.path, data.split)
+    except Exception as err:  # (datasets raises several kinds for unreadable data)
+        raise ConfigError(f"data.format=auto: cannot read the first record of data.path="
+                          f"{data.path!r} (split {data.split!r}) to detect its format: "
+                          f"{type(err).__name__}: {err}; set data.format") from None
+    found, why = detect_format(record, data)
+    log.info("data.format=auto: %s (%s); set data.format to choose another", found, why)
+    return dataclasses.replace(data, format=found)
+
+
 def _check_sft(data: s.HFDataConfig) -> None:
     """``data.format`` and ``data.train_on`` (``data/sft.py`` renders the records)."""
-    formats, train_on = ("text", "chat", "prompt_completion"), ("all", "completion")
-    if data.format not in formats:
-        raise ConfigError(f"data.format={data.format!r}: one of {', '.join(formats)}")
+    train_on = ("all", "completion")
     if data.train_on not in train_on:
         raise ConfigError(f"data.train_on={data.train_on!r}: one of {', '.join(train_on)}")
     if data.train_on == "completion" and data.format == "text":

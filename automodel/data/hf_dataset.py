@@ -137,6 +137,28 @@ def iter_documents(path: str, split: str, wanted: list[str], keys: dict, render)
     return _texts(records, render, where), None
 
 
+def first_record(path: str, split: str) -> dict | None:
+    """The first record of the split (None: it has none), reading nothing more."""
+    import datasets
+
+    p = Path(path)
+    if _is_saved_dataset(p):
+        ds = datasets.load_from_disk(str(p))
+        if isinstance(ds, datasets.DatasetDict):
+            ds = ds[split] if split in ds else None
+        return ds[0] if ds is not None and len(ds) else None
+    files = data_files(path)
+    if Path(files[0]).suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        for batch in pq.ParquetFile(files[0]).iter_batches(batch_size=1):
+            return {k: v[0] for k, v in batch.to_pydict().items()}
+        return None
+    ds = datasets.load_dataset(_BUILDERS[Path(files[0]).suffix], data_files={split: files},
+                               split=split, streaming=True)
+    return next(iter(ds), None)
+
+
 def _texts(batches, render, where: str):
     """Documents from column batches ({field: [values]})."""
     count = 0

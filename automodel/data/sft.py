@@ -24,6 +24,25 @@ class Document:
     spans: Optional[list[tuple[int, int]]] = None  # trained [start, end) characters; None: all
 
 
+FORMATS = ("auto", "text", "chat", "prompt_completion")
+
+
+def detect_format(record: dict | None, data) -> tuple[str, str]:
+    """(the format of ``data.format=auto``'s records, why), from one record: a list of
+    messages in ``data.messages_field`` is chat; ``data.prompt_field`` and
+    ``data.completion_field`` make prompt_completion; anything else is text."""
+    from automodel.data.hf_dataset import _is_chat
+
+    if record is None:
+        return "text", "the split has no record"
+    if _is_chat(record.get(data.messages_field)):
+        return "chat", f"the records hold a list of messages in {data.messages_field!r}"
+    if data.prompt_field in record and data.completion_field in record:
+        return "prompt_completion", (f"the records have the fields {data.prompt_field!r} and "
+                                     f"{data.completion_field!r}")
+    return "text", f"the records have neither (their fields: {', '.join(sorted(record))})"
+
+
 def record_fields(data) -> list[str]:
     """The record fields ``data`` (a ``HFDataConfig``) reads."""
     if data.format == "chat":

@@ -132,8 +132,8 @@ def test_prompt_completion_records_and_the_cache_key(chat_files, tmp_path):
 
 
 def _overrides(chat_files, tmp_path):
-    return ["data=hf", f"data.path={chat_files / 'chat.jsonl'}", "data.format=chat",
-            "data.train_on=completion", f"data.tokenizer_path={chat_files / 'without_markers'}",
+    # (no data.format: the records' messages make it chat, as users leave it)
+    return ["data=hf", f"data.path={chat_files / 'chat.jsonl'}", "data.train_on=completion", f"data.tokenizer_path={chat_files / 'without_markers'}",
             "data.pack_boundaries=true", f"data.cache_dir={tmp_path / 'cache'}",
             "model.config.vocab_size=64"]
 
@@ -212,6 +212,46 @@ def test_masked_tokens_contribute_nothing_packed_and_sharded(chat_files, tmp_pat
 
 
 @pytest.mark.fast
+def test_the_format_is_read_from_the_records_unless_given(chat_files, tmp_path, caplog):
+    import logging
+
+    from automodel.api import load_config
+
+    tok = f"data.tokenizer_path={chat_files / 'without_markers'}"
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"prompt": f"what is {i} plus {i} ",
+                                         "completion": f"it is {2 * i}"}) + "\n"
+                             for i in range(4)))
+    texts = tmp_path / "texts.jsonl"
+    texts.write_text(json.dumps({"text": "it is 4"}) + "\n")
+    chat = ["data=hf", f"data.path={chat_files / 'chat.jsonl'}", tok]
+    with caplog.at_level(logging.INFO, logger="automodel.config.validate_data"):
+        cfg = load_config(chat + ["data.train_on=completion"], str(tmp_path))
+    assert (cfg.data.format, cfg.data.train_on) == ("chat", "completion")
+    assert "data.format=auto: chat (the records hold a list of messages in 'messages')" \
+        in caplog.text
+    cfg = load_config(["data=hf", f"data.path={pairs}", "data.train_on=completion"],
+                      str(tmp_path))
+    assert cfg.data.format == "prompt_completion"
+    assert load_config(["data=hf", f"data.path={texts}"], str(tmp_path)).data.format == "text"
+    # a saved dataset and parquet files are read the same way
+    import datasets
+
+    records = [json.loads(line) for line in pairs.read_text().splitlines()]
+    datasets.Dataset.from_list(records).save_to_disk(str(tmp_path / "saved"))
+    datasets.Dataset.from_list(records).to_parquet(str(tmp_path / "pairs.parquet"))
+    for path in (tmp_path / "saved", tmp_path / "pairs.parquet"):
+        assert load_config(["data=hf", f"data.path={path}"],
+                           str(tmp_path)).data.format == "prompt_completion"
+    # an explicit format wins over what the records show
+    cfg = load_config(["data=hf", f"data.path={pairs}", "data.format=text",
+                       "data.text_field=prompt"], str(tmp_path))
+    assert cfg.data.format == "text"
+    messages_as_text = load_config(chat + ["data.format=text"], str(tmp_path))
+    assert messages_as_text.data.format == "text"
+
+
+@pytest.mark.fast
 def test_bad_sft_options_are_clear_errors_before_launch(chat_files, tmp_path):
     from automodel.api import load_config
     from automodel.config.build import ConfigError
@@ -219,10 +259,14 @@ def test_bad_sft_options_are_clear_errors_before_launch(chat_files, tmp_path):
 
     run = ["data=hf", f"data.path={chat_files / 'chat.jsonl'}"]
     for extra, message in [
-            (["data.format=json"], "data.format='json': one of text, chat, prompt_completion"),
+            (["data.format=json"],
+             "data.format='json': one of auto, text, chat, prompt_completion"),
             (["data.train_on=prompt"], "data.train_on='prompt': one of all, completion"),
-            (["data.train_on=completion"], "data.train_on=completion with data.format=text"),
-            (["data.format=chat"], "data.format=chat needs a tokenizer with a chat template")]:
+            (["data.format=text", "data.train_on=completion"],
+             "data.train_on=completion with data.format=text"),
+            (["data.format=chat"], "data.format=chat needs a tokenizer with a chat template"),
+            # detected from the records: the same rule
+            ([], "data.format=chat needs a tokenizer with a chat template")]:
         with pytest.raises(ConfigError, match=message):
             load_config(run + extra, str(tmp_path))
     plain = tmp_path / "plain_tok"
