@@ -98,7 +98,8 @@ class ModuleTrail:
     hooks); an exception raised inside one leaves as ``ModuleFailed`` naming the innermost."""
 
     def __init__(self, parts: list):
-        self._names = {id(m): n for part in parts for n, m in part.named_modules() if n}
+        self._names = {id(m): n or f"{type(m).__name__}'s own forward" for part in parts
+                       for n, m in part.named_modules()}
         self._running: list = []
         self._failed: str | None = None
         self._handles: list = []

@@ -69,8 +69,8 @@ class _OwnedCall:
             else:
                 kwargs = dict(kwargs, hidden_states=x)
         out = layer(*args, **kwargs)
-        if self._index == sl.last:
-            sl.stage_output = out
+        if self._index == sl.last:  # (older layers return a tuple: hidden states first)
+            sl.stage_output = out[0] if isinstance(out, tuple) else out
         return out
 
     def __getattr__(self, name):
@@ -239,7 +239,7 @@ def build_stage(model: nn.Module, anatomy: Anatomy, contents: StageContents,
     # buffers the build computed on the host (rotary frequencies, embedding scales) are shared,
     # not copied: alike on every stage, and each part gets its own at materialization
     # (``to_empty``); so the copy allocates nothing, also under the planner's fake mode
-    stage = copy.deepcopy(model, memo={id(b): b for b in model.buffers() if not b.is_meta})
+    stage = copy.deepcopy(model, memo=_host_buffers(model))
     stack = stage.get_submodule(anatomy.stack)
     layers = getattr(stack, anatomy.layers)
     if patch_inner:
@@ -261,6 +261,11 @@ def build_stage(model: nn.Module, anatomy: Anatomy, contents: StageContents,
     return stage
 
 
+def _host_buffers(module: nn.Module) -> dict:
+    """A deep copy's memo that shares ``module``'s buffers on the host instead of copying."""
+    return {id(b): b for b in module.buffers() if not b.is_meta}
+
+
 class StandIn(nn.Module):
     """A module of the first stage (learned positions, an embedding norm) on a later stage:
     no parameters; returns zeros of the shape the module would return, computed by a copy of
@@ -269,7 +274,10 @@ class StandIn(nn.Module):
 
     def __init__(self, module: nn.Module):
         super().__init__()
-        self.__dict__["_shape_of"] = copy.deepcopy(module).to("meta")  # (not a submodule)
+        shape_of = copy.deepcopy(module, memo=_host_buffers(module))
+        if any(not p.is_meta for p in shape_of.parameters()):  # (a model built on the host)
+            shape_of = shape_of.to("meta")
+        self.__dict__["_shape_of"] = shape_of  # (not a submodule: no parameters here)
         self.replaces = type(module).__name__
 
     def forward(self, *args, **kwargs):

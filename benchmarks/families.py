@@ -1,0 +1,193 @@
+"""Every causal-LM family of the installed transformers, in every layout: the table of issue 37.
+
+For each ``model_type`` of ``MODEL_FOR_CAUSAL_LM_MAPPING`` the family's default config is
+shrunk to a tiny one (the size keys it has, set small; dropouts 0; per-layer lists cut), the
+model is built on the host with a fixed seed and saved, and then trained as a user would
+(``model=pretrained model.pretrained_path=DIR``, ``automodel.api.run``: the whole preflight,
+then the ranks) in one process and under each layout, fp32, a few steps. A row says per layout:
+
+- ``works``: losses and gradient norms match the single process (rtol 1e-5 and 1e-4);
+- ``refused: ...``: refused before launch (a ``ConfigError``), with the first words of why;
+- ``FAILS: ...``: it launched and crashed, or trained and did not match.
+
+Families that cannot be built tiny from their default config (another kind of model, a
+package missing, a config the shrinking breaks) get one row saying why.
+
+    python benchmarks/families.py                       # every family: an hour or more
+    python benchmarks/families.py --only gpt2,opt,stablelm --layouts tp2,pp2
+    python benchmarks/families.py --markdown table.md --json table.json
+
+The suite runs one family for each way of writing attention and embeddings
+(``tests/distributed/test_families.py``); this script is the whole table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+FP32 = ("parallelism.mp_policy={_target_:torch.distributed.fsdp.MixedPrecisionPolicy,"
+        "param_dtype:float32,reduce_dtype:float32}")
+BASE = ["data=corpus", "data.num_documents=200", "trainer.max_steps=3", "trainer.log_every=1",
+        "trainer.global_batch_size=8", "trainer.seq_len=32", "optim.warmup_steps=0",
+        "optim.lr=0.01", "distributed.backend=gloo"]
+LAYOUTS = {
+    "fsdp2": ["parallelism=fsdp2", FP32],
+    "tp2": ["parallelism=fsdp2", FP32, "mesh.tp_size=2"],
+    "pp2": ["parallelism=fsdp2", FP32, "pipeline=1f1b", "pipeline.pp_microbatch_size=2"],
+}
+LOSS_RTOL, GRAD_RTOL = 1e-5, 1e-4
+
+# size keys (or their attribute_map aliases) a tiny model takes, where the family has them
+TINY = {
+    "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+    "max_position_embeddings": 256, "ffn_dim": 128, "n_inner": 128, "word_embed_proj_dim": 64,
+    "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64, "num_experts": 4,
+    "num_local_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
+    "n_shared_experts": 1, "first_k_dense_replace": 1, "kv_lora_rank": 16, "q_lora_rank": 32,
+    "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16, "n_group": 1,
+    "topk_group": 1, "sliding_window": 64, "rotary_dim": 8, "d_kv": 16,
+}
+
+
+def tiny_config(model_type: str) -> dict:
+    """``model.config`` of a tiny model of the family: its default config's size keys set
+    small, dropouts 0, lists with a value per layer cut to the new depth."""
+    from transformers import AutoConfig
+
+    default = AutoConfig.for_model(model_type)
+    layers = getattr(default, "num_hidden_layers", None)
+    out: dict = {"model_type": model_type}
+    for key, value in TINY.items():
+        if hasattr(default, key) and getattr(default, key) is not None:
+            out[key] = value
+    for key, value in default.to_dict().items():
+        if isinstance(value, float) and ("dropout" in key or "pdrop" in key) and value:
+            out[key] = 0.0
+        if isinstance(value, list) and layers and len(value) == layers:
+            out[key] = value[:TINY["num_hidden_layers"]]
+    return out
+
+
+def save_tiny(model_type: str, folder: Path) -> str:
+    """Build the tiny model on the host (seed 0), save it; returns its folder."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kwargs = {k: v for k, v in tiny_config(model_type).items() if k != "model_type"}
+    config = AutoConfig.for_model(model_type, **kwargs)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    params = sum(p.numel() for p in model.parameters())
+    if params > 30e6:
+        raise ValueError(f"{params / 1e6:.0f}M parameters: its default config does not shrink")
+    path = folder / model_type
+    model.save_pretrained(str(path))
+    return str(path)
+
+
+def _train(overrides: list, folder: Path):
+    from automodel.api import run
+
+    return run(BASE + overrides, output_dir=tempfile.mkdtemp(dir=folder))
+
+
+def _first_words(err: BaseException, n: int = 220) -> str:
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return f"{type(err).__name__}: {' '.join(lines[:3])}"[:n]
+
+
+def _compare(records, ref) -> str:
+    losses = [(r["loss"], q["loss"]) for r, q in zip(records, ref)]
+    norms = [(r["grad_norm"], q["grad_norm"]) for r, q in zip(records, ref)]
+    if len(records) != len(ref) or not all(math.isfinite(a) for a, _ in losses):
+        return f"FAILS: {len(records)} steps of {len(ref)}, losses {[a for a, _ in losses]}"
+    dl = max(abs(a - b) / abs(b) for a, b in losses)
+    dg = max(abs(a - b) / abs(b) for a, b in norms)
+    if dl <= LOSS_RTOL and dg <= GRAD_RTOL:
+        return f"works ({dl:.0e} / {dg:.0e})"
+    return f"FAILS: off by {dl:.1e} in loss, {dg:.1e} in grad norm"
+
+
+def family_row(model_type: str, layouts: list, folder: Path) -> dict:
+    from automodel.config.build import ConfigError
+
+    row = {"family": model_type}
+    try:
+        path = save_tiny(model_type, folder)
+    except Exception as err:  # (transformers' configs and models raise all kinds)
+        row["built"] = f"not built tiny: {_first_words(err)}"
+        return row
+    model = ["model=pretrained", f"model.pretrained_path={path}"]
+    try:
+        ref = _train(["parallelism=none"] + model, folder)
+    except ConfigError as err:
+        row["built"] = f"refused in one process: {_first_words(err)}"
+        return row
+    except Exception as err:
+        row["built"] = f"FAILS in one process: {_first_words(err)}"
+        return row
+    row["built"] = "yes"
+    for name in layouts:
+        start = time.monotonic()
+        try:
+            row[name] = _compare(_train(LAYOUTS[name] + model, folder), ref)
+        except ConfigError as err:
+            row[name] = f"refused: {_first_words(err)}"
+        except Exception as err:
+            row[name] = f"FAILS: {_first_words(err)}"
+        row[f"{name}_s"] = round(time.monotonic() - start, 1)
+    return row
+
+
+def families(only: str | None) -> list:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    names = sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    return [n for n in names if only is None or n in only.split(",")]
+
+
+def markdown(rows: list, layouts: list) -> str:
+    head = ["family", "built", *layouts]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in rows:
+        cells = [row.get(k, "") for k in head]
+        lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--only", help="comma-separated model types (default: every family)")
+    p.add_argument("--layouts", default=",".join(LAYOUTS), help="of " + ", ".join(LAYOUTS))
+    p.add_argument("--json", help="write the rows here (rewritten after each family)")
+    p.add_argument("--markdown", help="write the table here (rewritten after each family)")
+    args = p.parse_args()
+    layouts = args.layouts.split(",")
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="families-") as tmp:
+        for model_type in families(args.only):
+            try:
+                rows.append(family_row(model_type, layouts, Path(tmp)))
+            except Exception:  # (the script goes on: a row per family)
+                rows.append({"family": model_type,
+                             "built": "FAILS: " + traceback.format_exc(limit=1)[-200:]})
+            print(json.dumps(rows[-1]), flush=True)
+            if args.json:
+                Path(args.json).write_text(json.dumps(rows, indent=1))
+            if args.markdown:
+                Path(args.markdown).write_text(markdown(rows, layouts))
+    print(markdown(rows, layouts))
+    counts = {k: sum(1 for r in rows for name in layouts if r.get(name, "").startswith(k))
+              for k in ("works", "refused", "FAILS")}
+    print(f"{len(rows)} families; runs: {counts}")
+
+
+if __name__ == "__main__":
+    main()
