@@ -96,6 +96,44 @@ INTERNALS += [
 ]
 
 
+_GROUPED_MM = "grouped matrix products (MoE experts) in float32 on fake tensors"
+INTERNALS += [
+    Internal("torch._meta_registrations", "_meta_grouped_mm_common", _GROUPED_MM,
+             params=("mat_a", "mat_b", "scale_a", "scale_b", "offs", "bias", "scale_result",
+                     "out_dtype")),
+    Internal("torch._meta_registrations", "_create_grouped_mm_output_tensor", _GROUPED_MM,
+             patched=False, params=("mat1", "mat2", "offs", "out_dtype")),
+]
+
+
+@contextlib.contextmanager
+def grouped_mm_in_any_float():
+    """``torch._grouped_mm``'s shape function checks what the CUDA kernel takes (bfloat16
+    only), while the CPU kernel also takes float32 and float16 (transformers' experts of an
+    fp32 model on the host run it): inside, an unscaled product of two such inputs of one
+    dtype gets its output's shape and dtype without that check."""
+    import torch
+    import torch._meta_registrations as meta
+
+    original = meta._meta_grouped_mm_common
+
+    def common(mat_a, mat_b, scale_a, scale_b, offs=None, bias=None, scale_result=None,
+               out_dtype=None, use_fast_accum=False):
+        if (scale_a is None and scale_b is None and bias is None
+                and mat_a.dtype == mat_b.dtype and mat_a.dtype in (torch.float32,
+                                                                   torch.float16)):
+            return meta._create_grouped_mm_output_tensor(mat_a, mat_b, offs,
+                                                         out_dtype or mat_a.dtype)
+        return original(mat_a, mat_b, scale_a, scale_b, offs, bias, scale_result, out_dtype,
+                        use_fast_accum)
+
+    meta._meta_grouped_mm_common = common
+    try:
+        yield
+    finally:
+        meta._meta_grouped_mm_common = original
+
+
 @contextlib.contextmanager
 def pipeline_warmup_without_peers():
     """The schedule's first step votes with its peers over point-to-point messages on how the

@@ -60,6 +60,13 @@ def check_fake_step(cfg: TrainConfig) -> None:
     if dist.is_initialized():  # (every entry point runs the preflight before its group)
         log.info("preflight: no fake step inside a running process group")
         return
+    from automodel.compat import CompatError, check_planning_compat
+
+    try:
+        check_planning_compat()  # (the simulation's own uses of torch internals)
+    except CompatError as err:
+        log.warning("preflight: no fake step: %s", err)
+        return
     if cfg.strategy.name in REFUSED:
         log.info("preflight: no fake step for parallelism=%s (%s)", cfg.strategy.name,
                  REFUSED[cfg.strategy.name].split(":")[0])
@@ -109,6 +116,10 @@ def distinct_rank_classes(cfg: TrainConfig) -> list:
 
 
 def _step_or_refuse(fake_step, cfg: TrainConfig, rank_class, layers: int, layout: str) -> None:
+    """Refuse what fails inside the model's forward (a module's, or the causal LM's own):
+    shapes and placements the model cannot take. A failure elsewhere (building the stages,
+    the schedule, the optimizer on fake tensors) is the simulation's limit, not the job's:
+    it is logged, and the job starts unchecked."""
     from automodel.planning.fake import ModuleFailed
 
     try:
@@ -116,14 +127,22 @@ def _step_or_refuse(fake_step, cfg: TrainConfig, rank_class, layers: int, layout
     except ConfigError:
         raise
     except ModuleFailed as failed:
-        raise ConfigError(_refusal(cfg, layout, rank_class, layers, f"in {failed.module}",
-                                   failed.error)) from None
+        raise ConfigError(_refusal(cfg, layout, rank_class, layers, failed.module,
+                                   _root_cause(failed.error))) from None
     except Exception as err:
-        raise ConfigError(_refusal(cfg, layout, rank_class, layers,
-                                   "outside the modules' forward", err)) from None
+        log.warning("preflight: the fake step of %s could not run %s outside the model's "
+                    "forward (%s: %s); the job starts without this check", layout,
+                    rank_class.name, type(err).__name__, str(err).strip()[:300])
 
 
-def _refusal(cfg: TrainConfig, layout: str, rank_class, layers: int, where: str,
+def _root_cause(err: BaseException) -> BaseException:
+    """The innermost of a chain of errors (the pipeline's stage wraps the model's)."""
+    while err.__cause__ is not None:
+        err = err.__cause__
+    return err
+
+
+def _refusal(cfg: TrainConfig, layout: str, rank_class, layers: int, module: str,
              err: BaseException) -> str:
     from automodel.launch.preflight import family_name
 
@@ -131,7 +150,7 @@ def _refusal(cfg: TrainConfig, layout: str, rank_class, layers: int, where: str,
     what = f"{type(err).__name__}: {' '.join(lines[:3])[:600].rstrip('.')}"
     return (f"{family_name(cfg)} cannot train with {layout}: one training step of "
             f"{rank_class.name} (rank {rank_class.rank}), run before launch on fake tensors "
-            f"with the model cut to {layers} layer{'s' if layers > 1 else ''}, fails {where}: "
+            f"with the model cut to {layers} layer{'s' if layers > 1 else ''}, fails in {module}: "
             f"{what}. Every rank would fail the same way in step 1. Choose another layout "
             "(e.g. without mesh.tp_size, mesh.cp_size, the pipeline or mesh.ep_size; "
             "docs/options.md lists what each family supports), or give the model a "

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from automodel.compat.planning import (
     fake_store,
     fake_tensor_mode,
+    grouped_mm_in_any_float,
     memory_tracker,
     offloaded_parameters,
     optimizer_peak_bytes,
@@ -120,7 +121,8 @@ def fake_job(cfg: TrainConfig, rank: int):
         setup = build_setup(cfg, info, mesh)
         batches = planning_batches(cfg, setup)  # host tensors, made before the fake mode
         with fake_tensor_mode(), pipeline_warmup_without_peers(), sharding_propagation_marked(), \
-                value_checks_pass_on_fake_tensors(), split_backward_tracked():
+                value_checks_pass_on_fake_tensors(), split_backward_tracked(), \
+                grouped_mm_in_any_float():
             with RealStaysReal():  # (the mesh's index arithmetic, while parallelizing)
                 job = _build(cfg, setup)
             yield job, batches, mesh

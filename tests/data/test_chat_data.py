@@ -133,7 +133,8 @@ def test_prompt_completion_records_and_the_cache_key(chat_files, tmp_path):
 
 def _overrides(chat_files, tmp_path):
     # (no data.format: the records' messages make it chat, as users leave it)
-    return ["data=hf", f"data.path={chat_files / 'chat.jsonl'}", "data.train_on=completion", f"data.tokenizer_path={chat_files / 'without_markers'}",
+    return ["data=hf", f"data.path={chat_files / 'chat.jsonl'}", "data.train_on=completion",
+            f"data.tokenizer_path={chat_files / 'without_markers'}",
             "data.pack_boundaries=true", f"data.cache_dir={tmp_path / 'cache'}",
             "model.config.vocab_size=64"]
 

@@ -137,3 +137,51 @@ def test_explicit_stage_parts_use_the_family_names():
     check_model_layout(load_config(["pipeline=1f1b", "model=gpt_neox_tiny", parts]))
     msg = error("pipeline=1f1b", "model=gpt_neox_tiny", parts.replace("embed_in", "embed_tokens"))
     assert "gpt_neox.embed_tokens" in msg and "gpt_neox.embed_in" in msg
+
+
+def test_attention_that_reshapes_with_its_own_head_counts_gets_the_local_ones():
+    from automodel.distributed.tensor_parallel import expand_plan, head_split_modules
+    from automodel.distributed.tp_heads import localize_head_counts
+    from automodel.models.tp_plans import select_tp_plan
+
+    # StableLM (no plan of its own: the Llama-style fallback) views q with self.num_heads
+    model = _meta("stablelm")
+    concrete = expand_plan(model, *select_tp_plan(model, None))
+    attention = head_split_modules(concrete)
+    assert attention == [f"model.layers.{i}.self_attn" for i in range(4)]
+    changed = localize_head_counts(model, attention, 2)
+    assert changed["model.layers.0.self_attn"] == {"num_heads": (4, 2),
+                                                   "num_key_value_heads": (2, 1)}
+    attn = model.model.layers[0].self_attn
+    assert (attn.num_heads, attn.num_key_value_heads, attn.num_key_value_groups,
+            attn.head_dim, attn.hidden_size) == (2, 1, 2, 16, 64)  # hidden_size unread
+    # Llama reshapes with -1: nothing to change
+    model = _meta("llama")
+    concrete = expand_plan(model, *select_tp_plan(model, None))
+    assert localize_head_counts(model, head_split_modules(concrete), 2) == {}
+
+
+@pytest.mark.parametrize("model_type,before,after", [
+    ("gpt2", "transformer.wpe", "transformer.ln_f"),
+    ("opt", "model.decoder.embed_positions", "model.decoder.final_layer_norm"),
+])
+def test_the_first_and_last_stages_take_the_modules_around_the_blocks(model_type, before,
+                                                                       after):
+    from automodel.distributed.pipelining.split import StandIn, build_stage, even_contents
+
+    model = _meta(model_type)
+    anatomy = find_anatomy(model)
+    first, last = (build_stage(model, anatomy, c) for c in even_contents(4, 2, None))
+    names = [{n for n, _ in part.named_parameters()} for part in (first, last)]
+    assert any(n.startswith(before + ".") for n in names[0])
+    assert not any(n.startswith(before + ".") for n in names[1])
+    assert isinstance(last.get_submodule(before), StandIn)  # no parameters, same shape out
+    assert any(n.startswith(after + ".") for n in names[1])
+    assert not any(n.startswith(after + ".") for n in names[0])
+    assert isinstance(first.get_submodule(after), torch.nn.Identity)
+    # every parameter of the model is on one stage or the other (the tied head on both)
+    assert names[0] | names[1] == {n for n, _ in model.named_parameters()}
+    if model_type == "opt":  # a stand-in gives the shape the module gives, in zeros
+        mask = torch.ones(2, 8, dtype=torch.long)
+        out = last.get_submodule(before)(mask, 0, position_ids=None)
+        assert out.shape == (2, 8, 64) and not out.any() and out.device.type == "cpu"

@@ -1,0 +1,124 @@
+"""The preflight's fake step (``automodel/launch/fake_step.py``): a layout that would crash in
+its first step is refused before launch, naming the family, the layout, the rank and the
+module; one that trains passes. In this process, on fake tensors, with a fake process group
+that is gone afterwards (no rank, no real group)."""
+
+import logging
+
+import pytest
+import torch.distributed as dist
+
+from automodel.api import load_config
+from automodel.config.build import ConfigError
+from automodel.launch import fake_step
+from automodel.launch.preflight import preflight
+
+pytestmark = pytest.mark.fast
+
+# splits q over the TP ranks but not k, v or o: o_proj gets half its input (a shape error)
+Q_ONLY = "parallelism.tp_plan={model.layers.*.self_attn.q_proj:colwise}"
+
+
+def _cfg(*overrides):
+    return load_config(["data=synthetic", *overrides])
+
+
+def _refusal(*overrides) -> str:
+    with pytest.raises(ConfigError) as info:
+        preflight(_cfg(*overrides))
+    assert not dist.is_initialized()  # (the fake group is gone)
+    return str(info.value)
+
+
+def test_a_layout_that_would_crash_is_refused_naming_family_layout_and_module():
+    msg = _refusal("mesh.tp_size=2", Q_ONLY)
+    assert msg.startswith("LlamaForCausalLM (model_type 'llama') cannot train with "
+                          "parallelism=fsdp2 pipeline=none tp 2")
+    assert "fails in model.layers.0.self_attn.o_proj: RuntimeError" in msg
+    assert "distributed.preflight_step=false" in msg
+    # the option turns it off: the same layout passes the preflight (and would crash)
+    preflight(_cfg("mesh.tp_size=2", Q_ONLY, "distributed.preflight_step=false"))
+
+
+def test_every_kind_of_pipeline_rank_takes_a_step():
+    # the LM head runs on the last stage only: split row-wise it takes half its input, and
+    # pp rank 1 of 2 is refused (rank 0 passed); the message gives the model's own error
+    msg = _refusal("pipeline=1f1b", "pipeline.pp_microbatch_size=2", "mesh.tp_size=2",
+                   "trainer.loss=plain", "parallelism.tp_plan={lm_head:rowwise}")
+    assert "one training step of pp rank 1 (rank 2)" in msg
+    assert "fails in lm_head: RuntimeError: a and b must have same reduction dim" in msg
+    # ranks whose stages are alike are stepped once: interleaved pp 4 has 3 kinds
+    cut, layers = fake_step.cut_down(_cfg("pipeline=interleaved", "mesh.pp_size=4",
+                                          "model.config.num_hidden_layers=16",
+                                          "trainer.global_batch_size=16"))
+    assert layers == 8 and cut.trainer.local_batch_size == 4  # 1 per stage; 4 micro-batches
+    assert [c.rank for c in fake_step.distinct_rank_classes(cut)] == [0, 1, 3]
+
+
+def test_layouts_that_train_pass_and_say_so(caplog):
+    with caplog.at_level(logging.INFO, logger="automodel.launch.fake_step"):
+        preflight(_cfg("mesh.tp_size=2"))
+    assert "one step of parallelism=fsdp2 pipeline=none tp 2 on fake tensors (1 rank " \
+        "class, 1 layer)" in caplog.text
+    # what this issue made train: global head counts under TP; positions and an embedding
+    # norm before the blocks, a decoder one level down, under a pipeline
+    preflight(_cfg("model=stablelm_tiny", "mesh.tp_size=2", "mesh.dp_size=1",
+                   "parallelism.sequence_parallel=true"))
+    for family in ("gpt2_tiny", "opt_tiny", "bloom_tiny", "gemma_tiny"):  # (gemma: tied)
+        preflight(_cfg(f"model={family}", "pipeline=1f1b", "pipeline.pp_microbatch_size=2"))
+
+
+def broken_loss(logits, labels):
+    """A ``pipeline.loss_fn`` that fails: the schedule runs it outside the model."""
+    raise RuntimeError("this loss is broken on purpose")
+
+
+def test_a_failure_outside_the_model_is_the_simulation_s_limit_not_a_refusal(caplog):
+    # what fails outside the model's forward (here the pipeline's loss; elsewhere what the
+    # fake tensors cannot do) is logged, and the job starts unchecked
+    with caplog.at_level(logging.WARNING, logger="automodel.launch.fake_step"):
+        preflight(_cfg("pipeline=1f1b", "pipeline.pp_microbatch_size=2",
+                       "pipeline.loss_fn=tests.launch.test_fake_step.broken_loss"))
+    assert "could not run pp rank 1 outside the model's forward (RuntimeError: this loss " \
+        "is broken on purpose)" in caplog.text
+
+
+def test_a_step_past_the_time_bound_is_cut_short_with_a_warning(monkeypatch, caplog):
+    monkeypatch.setattr(fake_step, "TIME_BOUND_SECONDS", 1e-3)
+    with caplog.at_level(logging.WARNING, logger="automodel.launch.fake_step"):
+        preflight(_cfg("mesh.tp_size=2", Q_ONLY))  # (would be refused, given the time)
+    assert "did not finish within 0 s and was cut short" in caplog.text
+    assert not dist.is_initialized()
+
+
+def test_the_cut_keeps_each_kind_of_layer():
+    # DeepSeek-V3: 3 dense layers, then MoE ones; cut to 2, one of each
+    cut, layers = fake_step.cut_down(_cfg("model=deepseek_v3", "mesh.ep_size=2",
+                                          "mesh.dp_size=2"))
+    assert layers == 2 and cut.model.config["first_k_dense_replace"] == 1
+    # a list per layer keeps the first layer of each kind
+    types = ["sliding_attention"] * 5 + ["full_attention"]
+    cut, layers = fake_step.cut_down(_cfg(
+        "model=pretrained", "+model.config.model_type=gemma3_text", "mesh.tp_size=2",
+        "+model.config.num_hidden_layers=6", f"+model.config.layer_types=[{','.join(types)}]",
+        "+model.config.vocab_size=256", "+model.config.hidden_size=64",
+        "+model.config.num_attention_heads=4", "+model.config.num_key_value_heads=2",
+        "+model.config.head_dim=16", "+model.config.intermediate_size=128"))
+    assert layers == 2
+    assert cut.model.config["layer_types"] == ["sliding_attention", "full_attention"]
+
+
+def test_a_router_kept_in_float32_is_a_unit_of_its_own():
+    # DeepSeek-V3 keeps its MoE gate in float32 among bf16 weights; FSDP2 takes one dtype
+    # per unit (it raised "FSDP expects uniform original parameter dtype" in the MoE layers
+    # before the gate became a unit of its own): the fake step runs a MoE layer of each
+    preflight(_cfg("model=deepseek_v3", "mesh.ep_size=2", "mesh.dp_size=2",
+                   "trainer.global_batch_size=2", "trainer.seq_len=64"))
+    from automodel.distributed.fsdp2 import own_dtype_modules
+    from automodel.models.builder import build_meta_model
+
+    cut, _ = fake_step.cut_down(_cfg("model=deepseek_v3", "mesh.ep_size=2", "mesh.dp_size=2"))
+    model = build_meta_model(cut.model)
+    moe = model.model.layers[1]
+    assert own_dtype_modules(moe, [moe.mlp.experts]) == [moe.mlp.gate]
+    assert own_dtype_modules(model.model.layers[0]) == []  # a dense layer: one dtype
