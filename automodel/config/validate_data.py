@@ -143,9 +143,10 @@ def check_hf(data: s.HFDataConfig, model: s.ModelConfig) -> s.HFDataConfig:
 
 
 def _resolve_format(data: s.HFDataConfig) -> s.HFDataConfig:
-    """``data.format=auto``: the format the first record shows (``data/sft.py``), logged;
-    an explicit format is kept as it is."""
-    from automodel.data.sft import FORMATS, detect_format
+    """``data.format=auto``: the format the first record shows (``data/sft.py``), so the
+    rules below see it; records that cannot be read yet keep ``auto``, and preparing the
+    data (the preflight's data check) reads them and says what is wrong."""
+    from automodel.data.sft import FORMATS, concrete_format
 
     if data.format not in FORMATS:
         raise ConfigError(f"data.format={data.format!r}: one of {', '.join(FORMATS)}")
@@ -155,14 +156,16 @@ def _resolve_format(data: s.HFDataConfig) -> s.HFDataConfig:
 
     try:
         check_source(data.path, data.split)
+    except ValueError:
+        return data
+    try:
         record = first_record(data.path, data.split)
-    except Exception as err:  # (datasets raises several kinds for unreadable data)
-        raise ConfigError(f"data.format=auto: cannot read the first record of data.path="
-                          f"{data.path!r} (split {data.split!r}) to detect its format: "
-                          f"{type(err).__name__}: {err}; set data.format") from None
-    found, why = detect_format(record, data)
-    log.info("data.format=auto: %s (%s); set data.format to choose another", found, why)
-    return dataclasses.replace(data, format=found)
+    except Exception:  # (datasets and arrow raise several kinds for unreadable data)
+        return data
+    try:
+        return concrete_format(data, data.split, record)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
 
 
 def _check_sft(data: s.HFDataConfig) -> None:
@@ -170,10 +173,14 @@ def _check_sft(data: s.HFDataConfig) -> None:
     train_on = ("all", "completion")
     if data.train_on not in train_on:
         raise ConfigError(f"data.train_on={data.train_on!r}: one of {', '.join(train_on)}")
-    if data.train_on == "completion" and data.format == "text":
-        raise ConfigError("data.train_on=completion with data.format=text: plain text has no "
-                          "completion; set data.format=chat (assistant turns) or "
-                          "data.format=prompt_completion, or data.train_on=all")
+    if data.format == "auto":  # (not readable yet: checked when the data is prepared)
+        return
+    from automodel.data.sft import check_train_on
+
+    try:
+        check_train_on(data)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     if data.format == "chat" and data.tokenizer_path is None:
         raise ConfigError("data.format=chat needs a tokenizer with a chat template: set "
                           "data.tokenizer_path (or model.pretrained_path to a checkpoint "

@@ -96,11 +96,7 @@ def iter_documents(path: str, split: str, wanted: list[str], keys: dict, render)
     where = f"data.path={path!r} (split {split!r})"
     p = Path(path)
     if _is_saved_dataset(p):
-        try:
-            ds = datasets.load_from_disk(str(p))
-        except Exception as err:  # datasets raises several kinds for broken or empty folders
-            raise ValueError(f"cannot read the dataset saved at {path}: {type(err).__name__}: "
-                             f"{err or 'no data'}") from None
+        ds = _load_saved(p)
         if isinstance(ds, datasets.DatasetDict):
             if split not in ds:
                 raise ValueError(f"data.split={split!r}: the dataset at {path} has the splits "
@@ -137,13 +133,23 @@ def iter_documents(path: str, split: str, wanted: list[str], keys: dict, render)
     return _texts(records, render, where), None
 
 
+def _load_saved(p: Path):
+    import datasets
+
+    try:
+        return datasets.load_from_disk(str(p))
+    except Exception as err:  # datasets raises several kinds for broken or empty folders
+        raise ValueError(f"cannot read the dataset saved at {p}: {type(err).__name__}: "
+                         f"{err or 'no data'}") from None
+
+
 def first_record(path: str, split: str) -> dict | None:
     """The first record of the split (None: it has none), reading nothing more."""
     import datasets
 
     p = Path(path)
     if _is_saved_dataset(p):
-        ds = datasets.load_from_disk(str(p))
+        ds = _load_saved(p)
         if isinstance(ds, datasets.DatasetDict):
             ds = ds[split] if split in ds else None
         return ds[0] if ds is not None and len(ds) else None
@@ -154,8 +160,11 @@ def first_record(path: str, split: str) -> dict | None:
         for batch in pq.ParquetFile(files[0]).iter_batches(batch_size=1):
             return {k: v[0] for k, v in batch.to_pydict().items()}
         return None
-    ds = datasets.load_dataset(_BUILDERS[Path(files[0]).suffix], data_files={split: files},
-                               split=split, streaming=True)
+    try:
+        ds = datasets.load_dataset(_BUILDERS[Path(files[0]).suffix],
+                                   data_files={split: files}, split=split, streaming=True)
+    except StopIteration:  # (how datasets reports files without a record)
+        return None
     return next(iter(ds), None)
 
 

@@ -43,6 +43,43 @@ def detect_format(record: dict | None, data) -> tuple[str, str]:
     return "text", f"the records have neither (their fields: {', '.join(sorted(record))})"
 
 
+def concrete_format(data, split: str, record: dict | None = None):
+    """``data`` (a ``HFDataConfig``) with ``format=auto`` replaced by what the split's first
+    record shows (logged, with the reason); an explicit format as it is. Raises
+    ``ValueError`` where the records cannot be read, or what they show cannot take
+    ``data.train_on`` (``check_train_on``)."""
+    import dataclasses
+    import logging
+
+    from automodel.data.hf_dataset import first_record
+
+    if data.format != "auto":
+        return data
+    try:
+        record = record if record is not None else first_record(data.path, split)
+    except ValueError:  # (what hf_dataset says of unreadable data)
+        raise
+    except Exception as err:  # (datasets and arrow raise several kinds for unreadable data)
+        raise ValueError(f"data.format=auto: cannot read the first record of data.path="
+                         f"{data.path!r} (split {split!r}) to tell its format: "
+                         f"{type(err).__name__}: {err}; set data.format") from None
+    found, why = detect_format(record, data)
+    logging.getLogger(__name__).info("data.format=auto: %s (%s); set data.format to choose "
+                                     "another", found, why)
+    data = dataclasses.replace(data, format=found)
+    check_train_on(data, f" (data.format=auto found {found}: {why})")
+    return data
+
+
+def check_train_on(data, how: str = "") -> None:
+    """``data.train_on=completion`` needs records with a completion: chat or
+    prompt_completion."""
+    if data.train_on == "completion" and data.format == "text":
+        raise ValueError(f"data.train_on=completion with data.format=text{how}: plain text has "
+                         "no completion; set data.format=chat (assistant turns) or "
+                         "data.format=prompt_completion, or data.train_on=all")
+
+
 def record_fields(data) -> list[str]:
     """The record fields ``data`` (a ``HFDataConfig``) reads."""
     if data.format == "chat":

@@ -229,6 +229,7 @@ def ensure_entry(folder: Path, build: Callable[[Path], None]) -> Path:
 def hf_stream(data, split: str) -> TokenStream:
     """The tokens of split ``split`` of the ``data=hf`` dataset (a ``HFDataConfig``)."""
     hf_dataset.check_source(data.path, split)
+    data = sft.concrete_format(data, split)  # (data.format=auto: from the first record)
     # the tokenizer's files hold its chat template; render_key: the record format, its fields,
     # data.train_on
     key = hashlib.sha256("\0".join([

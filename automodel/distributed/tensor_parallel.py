@@ -134,6 +134,24 @@ def splits_heads(concrete: dict[str, str]) -> bool:
     return bool(head_split_modules(concrete))
 
 
+def activations_with_weights(model: nn.Module, concrete: dict[str, str]) -> list[str]:
+    """Activations with trainable weights (transformers' own activation classes, e.g.
+    Apertus' xIELU) beside a column-wise projection and not in the plan: they run on this
+    rank's features, so their weights' gradients are partial sums over the TP ranks."""
+    from transformers.activations import ACT2CLS
+
+    kinds = tuple({c[0] if isinstance(c, tuple) else c for c in ACT2CLS.values()})
+    parents = {fqn.rpartition(".")[0] for fqn, style in concrete.items() if style == "colwise"}
+    found = []
+    for parent in sorted(parents):
+        for name, child in _module_or_none(model, parent).named_children():
+            fqn = f"{parent}.{name}" if parent else name
+            if (isinstance(child, kinds) and fqn not in concrete
+                    and any(p.requires_grad for p in child.parameters(recurse=False))):
+                found.append(fqn)
+    return found
+
+
 def check_divisibility(model: nn.Module, concrete: dict[str, str], tp: int) -> None:
     """What the plan needs of the model's sizes: heads split by TP, a vocabulary split."""
     cfg = model.config
@@ -216,6 +234,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: dict, source: str,
                  else _style(name, module, sequence_parallel, in_block))
         if style is not None:
             styles[fqn] = style
+    for fqn in activations_with_weights(model, concrete):  # (on local features: -1)
+        styles.setdefault(fqn, ReplicatedWithGradAllReduce(input_dim=-1))
     if sequence_parallel:
         for fqn, style in _sequence_parallel_extras(model, block_fqns, concrete).items():
             styles.setdefault(fqn, style)

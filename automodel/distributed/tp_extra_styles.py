@@ -17,18 +17,26 @@ from automodel.compat import direct_parameters, set_parameter
 
 
 class ReplicatedWithGradAllReduce(ParallelStyle):
-    """A module (e.g. Qwen3's per-head q/k norm) that runs on TP-local heads with weights
-    replicated over TP: the input is seen as sharded on the head dim (-2), so the weight's
-    gradient is summed over the TP ranks."""
+    """A module that runs on TP-local activations with weights replicated over TP (Qwen3's
+    per-head q/k norm on local heads; an activation with parameters, such as Apertus' xIELU,
+    on the local features of a column-wise projection): the input is seen as sharded on
+    ``input_dim`` (-2: heads; -1: features), so the weights' gradients are summed over the
+    TP ranks."""
+
+    def __init__(self, input_dim: int = -2):
+        super().__init__()
+        self.input_dim = input_dim
 
     def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        dim = self.input_dim
+
         def replicate_params(name, mod, mesh):
             for p_name, param in list(mod.named_parameters(recurse=False)):
                 mod.register_parameter(p_name, nn.Parameter(
                     DTensor.from_local(param, mesh, [Replicate()], run_check=False)))
 
         def to_dtensor(mod, inputs, mesh):
-            return tuple(DTensor.from_local(x, mesh, [Shard(x.dim() - 2)], run_check=False)
+            return tuple(DTensor.from_local(x, mesh, [Shard(x.dim() + dim)], run_check=False)
                          if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x
                          for x in inputs)
 

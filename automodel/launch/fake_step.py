@@ -55,7 +55,7 @@ def check_fake_step(cfg: TrainConfig) -> None:
         return
     import torch.distributed as dist
 
-    from automodel.planning.strategies import REFUSED
+    from automodel.planning.strategies import planning_strategy
 
     if dist.is_initialized():  # (every entry point runs the preflight before its group)
         log.info("preflight: no fake step inside a running process group")
@@ -67,9 +67,10 @@ def check_fake_step(cfg: TrainConfig) -> None:
     except CompatError as err:
         log.warning("preflight: no fake step: %s", err)
         return
-    if cfg.strategy.name in REFUSED:
-        log.info("preflight: no fake step for parallelism=%s (%s)", cfg.strategy.name,
-                 REFUSED[cfg.strategy.name].split(":")[0])
+    try:  # (a strategy the planner cannot run on fake tensors: megatron_fsdp, CUDA only)
+        planning_strategy(cfg.strategy)
+    except ConfigError as err:
+        log.info("preflight: no fake step: %s", err)
         return
     from automodel.planning.plan import layout_text
     from automodel.planning.simulate import fake_step

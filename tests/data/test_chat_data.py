@@ -226,7 +226,7 @@ def test_the_format_is_read_from_the_records_unless_given(chat_files, tmp_path, 
     texts = tmp_path / "texts.jsonl"
     texts.write_text(json.dumps({"text": "it is 4"}) + "\n")
     chat = ["data=hf", f"data.path={chat_files / 'chat.jsonl'}", tok]
-    with caplog.at_level(logging.INFO, logger="automodel.config.validate_data"):
+    with caplog.at_level(logging.INFO, logger="automodel.data.sft"):
         cfg = load_config(chat + ["data.train_on=completion"], str(tmp_path))
     assert (cfg.data.format, cfg.data.train_on) == ("chat", "completion")
     assert "data.format=auto: chat (the records hold a list of messages in 'messages')" \

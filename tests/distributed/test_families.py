@@ -12,10 +12,12 @@ single-process run of the same family in losses and gradient norms (fp32).
 Ways of writing a model that the fake step and the stage split met first on families without
 a preset (``benchmarks/families.py`` runs every family): attention that reshapes with its own
 head counts under the Llama-style fallback plan (StableLM: the counts set to each TP rank's
-share), and modules around the blocks that pipeline stages must place: learned positions
-(GPT-2), a decoder one level down with learned positions (OPT), an embedding norm and layers
-that return tuples (BLOOM). These have no TP plan of their own and other module names than
-Llama's (refused under TP, docs/models.md), so they run under the pipeline only.
+share), an activation with weights between the split MLP projections (Apertus' xIELU: its
+gradients summed over the TP ranks), and modules around the blocks that pipeline stages must
+place: learned positions (GPT-2), a decoder one level down with learned positions (OPT), an
+embedding norm and layers that return tuples (BLOOM). These three have no TP plan of their own
+and other module names than Llama's (refused under TP, docs/models.md), so they run under the
+pipeline only.
 """
 
 import pytest
@@ -30,7 +32,7 @@ LAYOUTS = {
     "pp2_1f1b": ["parallelism=fsdp2", FP32, "pipeline=1f1b", "pipeline.pp_microbatch_size=2"],
 }
 # (family, layout) beyond FAMILIES x LAYOUTS
-WAYS = [("stablelm_tiny", "tp2"), ("gpt2_tiny", "pp2_1f1b"),
+WAYS = [("stablelm_tiny", "tp2"), ("apertus_tiny", "tp2"), ("gpt2_tiny", "pp2_1f1b"),
         ("opt_tiny", "pp2_1f1b"), ("bloom_tiny", "pp2_1f1b")]
 
 

@@ -185,3 +185,15 @@ def test_the_first_and_last_stages_take_the_modules_around_the_blocks(model_type
         mask = torch.ones(2, 8, dtype=torch.long)
         out = last.get_submodule(before)(mask, 0, position_ids=None)
         assert out.shape == (2, 8, 64) and not out.any() and out.device.type == "cpu"
+
+
+def test_activations_with_weights_beside_a_split_projection_are_found():
+    from automodel.distributed.tensor_parallel import activations_with_weights, expand_plan
+    from automodel.models.tp_plans import select_tp_plan
+
+    model = _meta("apertus")  # xIELU has trainable alpha_p, alpha_n; its plan leaves it out
+    concrete = expand_plan(model, *select_tp_plan(model, None))
+    assert activations_with_weights(model, concrete) == [
+        f"model.layers.{i}.mlp.act_fn" for i in range(4)]
+    model = _meta("llama")  # SiLU has no weights
+    assert activations_with_weights(model, expand_plan(model, *select_tp_plan(model, None))) == []
