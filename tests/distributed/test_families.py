@@ -22,7 +22,7 @@ pipeline only.
 
 import pytest
 
-from tests.distributed.test_parity import assert_matches
+from tests.distributed.test_parity import assert_close_to_fp32, assert_matches
 from tests.helpers import FP32, train
 
 FAMILIES = ["gpt_neox_tiny", "phi_tiny", "gemma_tiny", "gemma2_tiny", "olmo2_tiny",
@@ -59,3 +59,14 @@ def test_tied_embeddings_pipeline_with_tp_and_fsdp(reference, tmp_path):
                      "mesh.tp_size=2", "mesh.dp_size=2", "pipeline.pp_microbatch_size=1"],
                     tmp_path)
     assert_matches(records, reference("model=gemma_tiny"))
+
+
+@pytest.mark.parametrize("family,layout", [
+    ("stablelm_tiny", ["mesh.tp_size=2", "trainer.local_batch_size=2"]),  # 4 micro-batches
+    ("gpt2_tiny", ["pipeline=1f1b", "pipeline.pp_microbatch_size=2"]),  # 4 micro-batches
+])
+def test_new_ways_train_under_the_default_precision(family, layout, reference, tmp_path):
+    # the default mp_policy (bf16 parameters) with several micro-batches per step, against
+    # the fp32 single process at the bf16 tolerance
+    records = train(["parallelism=fsdp2", f"model={family}", *layout], tmp_path)
+    assert_close_to_fp32(records, reference(f"model={family}"), loss_rtol=2e-2)
