@@ -106,6 +106,24 @@ INTERNALS += [
 ]
 
 
+INTERNALS += [
+    Internal("torch._subclasses.fake_tensor", name, "the preflight's fake step (what fake "
+             "tensors cannot compute: values, and shapes that depend on values)",
+             patched=False, kind=type)
+    for name in ("DataDependentOutputException", "DynamicOutputShapeException")]
+
+
+def needs_values(err: BaseException) -> bool:
+    """Whether ``err`` is the fake mode's own: an op that needs a tensor's values (``.item()``
+    on a router's counts) or a shape that depends on them, which fake tensors have not."""
+    from torch._subclasses.fake_tensor import (
+        DataDependentOutputException,
+        DynamicOutputShapeException,
+    )
+
+    return isinstance(err, (DataDependentOutputException, DynamicOutputShapeException))
+
+
 @contextlib.contextmanager
 def grouped_mm_in_any_float():
     """``torch._grouped_mm``'s shape function checks what the CUDA kernel takes (bfloat16

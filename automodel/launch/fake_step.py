@@ -121,6 +121,7 @@ def _step_or_refuse(fake_step, cfg: TrainConfig, rank_class, layers: int, layout
     shapes and placements the model cannot take. A failure elsewhere (building the stages,
     the schedule, the optimizer on fake tensors) is the simulation's limit, not the job's:
     it is logged, and the job starts unchecked."""
+    from automodel.compat.planning import needs_values
     from automodel.planning.fake import ModuleFailed
 
     try:
@@ -128,8 +129,14 @@ def _step_or_refuse(fake_step, cfg: TrainConfig, rank_class, layers: int, layout
     except ConfigError:
         raise
     except ModuleFailed as failed:
+        cause = _root_cause(failed.error)
+        if needs_values(cause):  # (fake tensors have no values: the simulation's limit)
+            log.warning("preflight: the fake step of %s cannot run %s: %s reads tensor values "
+                        "(%s); the job starts without this check", layout, rank_class.name,
+                        failed.module, type(cause).__name__)
+            return
         raise ConfigError(_refusal(cfg, layout, rank_class, layers, failed.module,
-                                   _root_cause(failed.error))) from None
+                                   cause)) from None
     except Exception as err:
         log.warning("preflight: the fake step of %s could not run %s outside the model's "
                     "forward (%s: %s); the job starts without this check", layout,

@@ -122,3 +122,16 @@ def test_a_router_kept_in_float32_is_a_unit_of_its_own():
     moe = model.model.layers[1]
     assert own_dtype_modules(moe, [moe.mlp.experts]) == [moe.mlp.gate]
     assert own_dtype_modules(model.model.layers[0]) == []  # a dense layer: one dtype
+
+
+def test_a_forward_that_reads_tensor_values_is_not_refused(caplog):
+    # JetMoE's router takes .item() of its counts: fake tensors have no values, so the step
+    # cannot go on there; that is the simulation's limit, not the layout's (it trains)
+    with caplog.at_level(logging.WARNING, logger="automodel.launch.fake_step"):
+        preflight(_cfg("model=pretrained", "+model.config.model_type=jetmoe",
+                       "+model.config.vocab_size=256", "+model.config.hidden_size=64",
+                       "+model.config.num_hidden_layers=2", "+model.config.num_attention_heads=4",
+                       "+model.config.num_key_value_heads=2", "+model.config.kv_channels=16",
+                       "+model.config.intermediate_size=128", "+model.config.num_local_experts=4",
+                       "pipeline=1f1b", "pipeline.pp_microbatch_size=2"))
+    assert "reads tensor values (DataDependentOutputException)" in caplog.text
