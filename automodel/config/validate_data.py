@@ -156,9 +156,6 @@ def _resolve_format(data: s.HFDataConfig) -> s.HFDataConfig:
 
     try:
         check_source(data.path, data.split)
-    except ValueError:
-        return data
-    try:
         record = first_record(data.path, data.split)
     except Exception:  # (datasets and arrow raise several kinds for unreadable data)
         return data

@@ -172,14 +172,14 @@ def cut_down(cfg: TrainConfig) -> tuple[TrainConfig, int]:
     (``module_fqns_per_model_part``, a CSV schedule) keep every layer."""
     from automodel.models import multimodal as mm
     from automodel.models.builder import hf_config
-    from automodel.planning.depth import stage_count
+    from automodel.planning.depth import layers_differ, stage_count
 
     p = cfg.pipeline
     text = mm.text_config(hf_config(cfg.model))
     total = text.num_hidden_layers
     layers = total
     if p is None or (p.module_fqns_per_model_part is None and p.pp_schedule_csv is None):
-        layers = min(total, max(stage_count(cfg), 2 if _layers_differ(text) else 1))
+        layers = min(total, max(stage_count(cfg), 2 if layers_differ(text) else 1))
     changes = {}
     if layers < total:
         changes["model"] = dataclasses.replace(cfg.model, config={
@@ -206,14 +206,6 @@ def _one_batch(cfg: TrainConfig, p) -> dict:
     return {"trainer": dataclasses.replace(t, global_batch_size=dp * per_rank,
                                            local_batch_size=per_rank),
             "pipeline": dataclasses.replace(p, pp_batch_size=None)}
-
-
-def _layers_differ(text) -> bool:
-    from automodel.planning.depth import PER_LAYER_KEYS
-
-    return any(getattr(text, k, None) not in (None, 0, 1, [])
-               and not (isinstance(getattr(text, k), (list, tuple))
-                        and len(set(getattr(text, k))) <= 1) for k in PER_LAYER_KEYS)
 
 
 def _per_layer_keys(text, layers: int) -> dict:

@@ -80,14 +80,18 @@ def shallow_depths(cfg: TrainConfig) -> tuple[int, list[int], tuple[int, int]] |
                           or p.pp_schedule_csv):
         return None  # (stages the user placed: simulated as they are)
     text = mm.text_config(hf_config(cfg.model))
-    if mm.is_image_text(hf_config(cfg.model)) or any(
-            getattr(text, k, None) not in (None, 1, [], 0) and not _uniform(getattr(text, k))
-            for k in PER_LAYER_KEYS):
+    if mm.is_image_text(hf_config(cfg.model)) or layers_differ(text):
         return None
     stages = stage_count(cfg)
     sizes = [len(r) for r in stage_layer_ranges(text.num_hidden_layers, stages)]
     pair, least = shallow_pair(cfg)
     return (stages, sizes, pair) if min(sizes) >= least else None
+
+
+def layers_differ(text) -> bool:
+    """Whether the (text) config makes its decoder layers differ (``PER_LAYER_KEYS``)."""
+    return any(getattr(text, k, None) not in (None, 1, [], 0) and not _uniform(getattr(text, k))
+               for k in PER_LAYER_KEYS)
 
 
 def _uniform(value) -> bool:
