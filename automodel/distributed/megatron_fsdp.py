@@ -88,16 +88,19 @@ def zero_dp_strategy(value) -> str:
 
 def unit_module_classes(model, paths) -> list[type]:
     """``megatron_fsdp_unit_modules`` as classes: import paths, or (null) the classes the
-    model names in ``_no_split_modules``."""
+    model's blocks are made of (``parts.block_class_names``)."""
     if paths:
         from automodel.imports import load_object
 
         return [load_object(p, "parallelism.megatron_fsdp_unit_modules") for p in paths]
-    names = set(getattr(model, "_no_split_modules", None) or ())
+    from automodel.models.parts import block_class_names
+
+    names = block_class_names(model)
     found = {type(m) for m in model.modules() if type(m).__name__ in names}
     if not found:
         raise ValueError(f"parallelism.megatron_fsdp_unit_modules=null: "
-                         f"{type(model).__name__} names no block classes in _no_split_modules; "
+                         f"{type(model).__name__} names no block classes (_no_split_modules) and "
+                         "holds no list of layers of one class; "
                          "list the classes to shard as units (import paths)")
     return sorted(found, key=lambda c: c.__name__)
 

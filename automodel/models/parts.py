@@ -11,23 +11,44 @@ _PROJECTOR_HINTS = ("projector", "multi_modal", "multimodal", "merger", "connect
 
 
 def block_class_names(model: nn.Module) -> set[str]:
+    """The classes of the model's transformer blocks: its ``_no_split_modules``, else (older
+    families declare none) the classes of the items of its layer lists (modules whose
+    children are named 0, 1, ...) whose items all share one class and hold parameters."""
     names = getattr(model, "_no_split_modules", None) or ()
-    return set(names)
+    return set(names) or structural_block_classes(model)
+
+
+def structural_block_classes(model: nn.Module) -> set[str]:
+    classes = set()
+    for module in model.modules():
+        items = dict(module.named_children())  # a list: children named 0, 1, ... (also a
+        if items and all(k.isdigit() for k in items):  # pipeline stage's share of one)
+            kinds = {type(item) for item in items.values()}
+            if len(kinds) == 1 and any(True for _ in module.parameters()):
+                classes.add(kinds.pop().__name__)
+    return classes
 
 
 def block_fqns(model: nn.Module) -> list[str]:
-    """FQNs of the transformer blocks (classes in ``_no_split_modules``), in forward order."""
+    """FQNs of the transformer blocks (``block_class_names``), in forward order."""
     classes = block_class_names(model)
     if not classes:
-        raise ValueError(f"{type(model).__name__} declares no _no_split_modules: cannot find its "
-                         "transformer blocks")
+        raise ValueError(f"{type(model).__name__} declares no _no_split_modules and holds no "
+                         "list of layers of one class: cannot find its transformer blocks")
     found = [name for name, mod in model.named_modules()
              if type(mod).__name__ in classes and name]
     # keep outermost blocks only (a block class nested in another block is part of it)
     outer = [n for n in found if not any(n.startswith(o + ".") for o in found if o != n)]
     if not outer:
         raise ValueError(f"no module of class {sorted(classes)} found in {type(model).__name__}")
-    return outer
+    # a module sharing a weight with one outside it (an embedding tied to the LM head: BERT
+    # lists its embeddings among _no_split_modules) is no block: FSDP2 cannot shard one
+    # parameter in two units, nor can a checkpointed block own what others use
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return [b for b in outer if all(n.startswith(b + ".") for p in
+                                    model.get_submodule(b).parameters() for n in names[id(p)])]
 
 
 def group_of(fqn: str) -> str:

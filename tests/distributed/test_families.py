@@ -15,9 +15,13 @@ head counts under the Llama-style fallback plan (StableLM: the counts set to eac
 share), an activation with weights between the split MLP projections (Apertus' xIELU: its
 gradients summed over the TP ranks), and modules around the blocks that pipeline stages must
 place: learned positions (GPT-2), a decoder one level down with learned positions (OPT), an
-embedding norm and layers that return tuples (BLOOM). These three have no TP plan of their own
-and other module names than Llama's (refused under TP, docs/models.md), so they run under the
-pipeline only.
+embedding norm and layers that return tuples (BLOOM), and a family that declares no
+``_no_split_modules`` and whose layers return a list (GPT-1: its blocks are the layer list's
+items, and a stage passes the other stages' layers in the same form). These have no TP plan
+of their own and other module names than Llama's (refused under TP, docs/models.md), so they
+run under the pipeline only. BERT as a decoder lists its embeddings among
+``_no_split_modules`` while its word embedding is tied to the LM head: under FSDP2 the tied
+weight stays in the root unit.
 """
 
 import pytest
@@ -33,13 +37,15 @@ LAYOUTS = {
 }
 # (family, layout) beyond FAMILIES x LAYOUTS
 WAYS = [("stablelm_tiny", "tp2"), ("apertus_tiny", "tp2"), ("gpt2_tiny", "pp2_1f1b"),
-        ("opt_tiny", "pp2_1f1b"), ("bloom_tiny", "pp2_1f1b")]
+        ("opt_tiny", "pp2_1f1b"), ("bloom_tiny", "pp2_1f1b"), ("openai_gpt_tiny", "pp2_1f1b"),
+        ("bert_decoder_tiny", "fsdp2")]
+WAY_LAYOUTS = {**LAYOUTS, "fsdp2": ["parallelism=fsdp2", FP32]}
 
 
 @pytest.mark.parametrize("family,layout",
                          [(f, lay) for f in FAMILIES for lay in sorted(LAYOUTS)] + WAYS)
 def test_family_matches_single_process(family, layout, reference, tmp_path):
-    records = train(LAYOUTS[layout] + [f"model={family}"], tmp_path)
+    records = train(WAY_LAYOUTS[layout] + [f"model={family}"], tmp_path)
     assert_matches(records, reference(f"model={family}"))
 
 

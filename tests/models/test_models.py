@@ -38,6 +38,25 @@ def test_blocks_groups_and_cache_off():
     assert select_blocks(model, ["all"]) == block_fqns(model)
 
 
+
+@pytest.mark.fast
+def test_blocks_without_no_split_modules_and_blocks_that_share_a_weight():
+    # GPT-1 declares no _no_split_modules: its blocks are the layer list's items
+    gpt1 = build_model(ModelConfig(config={"model_type": "openai-gpt", "vocab_size": 256,
+                                           "n_embd": 32, "n_layer": 3, "n_head": 2}), seed=0)
+    assert not type(gpt1)._no_split_modules
+    assert block_fqns(gpt1) == [f"transformer.h.{i}" for i in range(3)]
+    # BERT lists its embeddings among _no_split_modules, but its word embedding is the LM
+    # head's weight: not a block (FSDP2 keeps the tied weight in the root unit)
+    bert = build_model(ModelConfig(config={
+        "model_type": "bert", "is_decoder": True, "vocab_size": 256, "hidden_size": 32,
+        "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2}), seed=0)
+    assert bert.cls.predictions.decoder.weight is bert.bert.embeddings.word_embeddings.weight
+    assert block_fqns(bert) == ["bert.encoder.layer.0", "bert.encoder.layer.1"]
+    bert.config.tie_word_embeddings = False
+    untied = type(bert)(bert.config)
+    assert "bert.embeddings" in block_fqns(untied)  # (not tied: a block of its own)
+
 @pytest.mark.fast
 @pytest.mark.parametrize("mode", ["full", "selective"])
 def test_parallelize_wraps_blocks_and_keeps_parameter_names(mode):

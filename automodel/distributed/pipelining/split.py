@@ -34,15 +34,19 @@ from automodel.models.anatomy import Anatomy
 
 # ----------------------------------------------------------------------------- the layer list
 class _PassThrough:
-    """A layer of another stage: returns its hidden-state input; answers the simple
-    attributes the original layer had (e.g. ``attention_type``), which a base model's loop
-    may read."""
+    """A layer of another stage: returns its hidden-state input, in the form this stage's
+    own layers return theirs (older layers return a tuple or list, hidden states first, and
+    the loop takes ``outputs[0]``); answers the simple attributes the original layer had
+    (e.g. ``attention_type``), which a base model's loop may read."""
 
-    def __init__(self, attrs: dict):
+    def __init__(self, attrs: dict, stage_layers: "StageLayers"):
         self._attrs = attrs
+        self._stage_layers = stage_layers
 
     def __call__(self, *args, **kwargs):
-        return args[0] if args else kwargs["hidden_states"]
+        x = args[0] if args else kwargs["hidden_states"]
+        form = self._stage_layers.output_form
+        return form((x,)) if form is not None else x
 
     def __getattr__(self, name):
         try:
@@ -69,8 +73,10 @@ class _OwnedCall:
             else:
                 kwargs = dict(kwargs, hidden_states=x)
         out = layer(*args, **kwargs)
-        if self._index == sl.last:  # (older layers return a tuple: hidden states first)
-            sl.stage_output = out[0] if isinstance(out, tuple) else out
+        sequence = isinstance(out, (tuple, list))  # (older layers: hidden states first)
+        sl.output_form = (list if isinstance(out, list) else tuple) if sequence else None
+        if self._index == sl.last:
+            sl.stage_output = out[0] if sequence else out
         return out
 
     def __getattr__(self, name):
@@ -92,8 +98,11 @@ class StageLayers(nn.Module):
         for i in owned:
             self.add_module(str(i), layers[i])
         self.first, self.last = owned[0], owned[-1]
-        self._others = {i: _PassThrough(_simple_attrs(layers[i]))
+        self._others = {i: _PassThrough(_simple_attrs(layers[i]), self)
                         for i in range(self.total) if i not in owned}
+        # how the layers return (None: a tensor; tuple or list), learned from the first call
+        # of an owned layer: the layers after this stage's last are passed in that form
+        self.output_form: type | None = None
         self.stage_input: torch.Tensor | None = None
         self.stage_output: torch.Tensor | None = None
 
