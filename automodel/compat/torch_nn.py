@@ -89,16 +89,22 @@ def set_buffer(module, name: str, value) -> None:
 @contextlib.contextmanager
 def parameters_on_meta():
     """Every parameter registered meanwhile moves to the meta device as it is registered
-    (allocated empty, never initialized); buffers stay real."""
+    (allocated empty, never initialized); buffers stay real. Under the planner's fake-tensor
+    mode too the parameters are plain meta tensors: a model that converts a module while it
+    builds it (``.to(torch.float32)``) could not swap fake ones in place."""
+    import torch
     from torch import nn
+
+    from automodel.compat.planning import real_tensors
 
     register = nn.Module.register_parameter
 
     def register_on_meta(module, name, param):
         register(module, name, param)
         if param is not None and not param.is_meta:
-            module._parameters[name] = nn.Parameter(param.to("meta"),
-                                                    requires_grad=param.requires_grad)
+            with real_tensors():
+                meta = torch.empty(param.shape, dtype=param.dtype, device="meta")
+            module._parameters[name] = nn.Parameter(meta, requires_grad=param.requires_grad)
 
     nn.Module.register_parameter = register_on_meta
     try:

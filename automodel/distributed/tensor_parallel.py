@@ -32,6 +32,8 @@ from torch.distributed.tensor.parallel import (
 from automodel.config.tp_styles import shards_vocab, style_problem
 from automodel.distributed.tp_extra_styles import (
     AllReduceOutput,
+    EmbeddingColwise,
+    EmbeddingRowwise,
     GatherSequenceOnEntry,
     LocalParams,
     MlaKvAProj,
@@ -56,13 +58,13 @@ def _style(name: str, module: nn.Module, sequence_parallel: bool,
     seq_out = dict(output_layouts=Shard(1), use_local_output=False) if sp else {}
     if name == "embedding_rowwise" or (embedding and name in ("rowwise", "rowwise_rep",
                                                                "rowwise_split_input")):
-        return RowwiseParallel(input_layouts=Replicate(),
-                               output_layouts=Shard(1) if sp else Replicate(),
-                               use_local_output=not sp)
+        return EmbeddingRowwise(input_layouts=Replicate(),
+                                output_layouts=Shard(1) if sp else Replicate(),
+                                use_local_output=not sp)
     if name == "embedding_colwise" or (embedding and name == "colwise_gather_output"):
-        return ColwiseParallel(input_layouts=Replicate(),
-                               output_layouts=Shard(1) if sp else Replicate(),
-                               use_local_output=not sp)
+        return EmbeddingColwise(input_layouts=Replicate(),
+                                output_layouts=Shard(1) if sp else Replicate(),
+                                use_local_output=not sp)
     if name == "colwise":
         return ColwiseParallel()
     if name == "rowwise":

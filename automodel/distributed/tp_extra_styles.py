@@ -10,8 +10,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
-from torch.distributed.tensor.parallel import ParallelStyle
+from torch.distributed.tensor import (
+    DTensor,
+    Replicate,
+    Shard,
+    distribute_module,
+    distribute_tensor,
+)
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from automodel.compat import direct_parameters, set_parameter
 
@@ -156,3 +162,48 @@ class LocalParams(ParallelStyle):
         module.register_forward_hook(post, always_call=True)
         return module
 
+
+
+def _split_own_table(style, dim: int):
+    """A partition function for an embedding that splits only the module's own table on
+    ``dim``: torch's splits every parameter of the module, its submodules' included (a norm
+    inside the embedding's forward, as in Inkling's normed embedding, would be split by rows
+    and fail); the submodules' weights are replicated (``distribute_module`` does that)."""
+
+    def partition(name, module, mesh):
+        if name:  # a submodule
+            return
+        for p_name, param in list(module.named_parameters(recurse=False)):
+            module.register_parameter(p_name, nn.Parameter(
+                distribute_tensor(param, mesh, [Shard(dim)], src_data_rank=style.src_data_rank),
+                requires_grad=param.requires_grad))
+
+    return partition
+
+
+class EmbeddingRowwise(RowwiseParallel):
+    """``RowwiseParallel`` on an embedding (split by vocabulary) that may hold submodules:
+    the lookup's partial sums are reduced before a submodule uses them (DTensor reduces a
+    masked lookup only once; the norm's several operations would each try)."""
+
+    def _partition_embedding_fn(self, name, module, device_mesh):
+        _split_own_table(self, 0)(name, module, device_mesh)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module = super()._apply(module, device_mesh)
+        for child in module.children():
+            child.register_forward_pre_hook(_reduce_partial_inputs)
+        return module
+
+
+def _reduce_partial_inputs(_module, args):
+    return tuple(x.redistribute(placements=[Replicate()] * len(x.placements))
+                 if isinstance(x, DTensor) and any(p.is_partial() for p in x.placements) else x
+                 for x in args)
+
+
+class EmbeddingColwise(ColwiseParallel):
+    """``ColwiseParallel`` on an embedding (split by features) that may hold submodules."""
+
+    def _partition_embedding_fn(self, name, module, device_mesh):
+        _split_own_table(self, 1)(name, module, device_mesh)

@@ -92,6 +92,62 @@ def test_tied_embeddings_stay_one_parameter(tmp_path):
         assert placements == [("_StridedShard", 0), ("Shard", 0)]
 
 
+class _NormedEmbedding:  # (built inside the ranks: torch imported there)
+    @staticmethod
+    def make(vocab, dim):
+        import torch
+        from torch import nn
+
+        class NormedEmbedding(nn.Embedding):  # a norm inside the embedding (as Inkling's)
+            def __init__(self):
+                super().__init__(vocab, dim)
+                self.embed_norm = nn.LayerNorm(dim)
+
+            def forward(self, ids):
+                return self.embed_norm(super().forward(ids))
+
+        torch.manual_seed(0)
+        return NormedEmbedding()
+
+
+def _normed_embedding_rowwise(rank, world, sequence_parallel):
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    from automodel.distributed.mesh import MeshAxis, build_mesh
+    from automodel.distributed.tensor_parallel import _style
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    mesh = build_mesh("cpu", "gloo", 1, pp=1, dp_replicate=1, dp_shard=1, cp=1, tp=2)
+    ref, emb = _NormedEmbedding.make(16, 8), _NormedEmbedding.make(16, 8)
+    ids = torch.tensor([[1, 9, 15, 3]])
+    expected = ref(ids)
+    expected.sum().backward()
+    parallelize_module(emb, mesh[MeshAxis.TP],
+                       _style("embedding_rowwise", emb, sequence_parallel, False))
+    out = emb(ids)
+    full = out.full_tensor() if isinstance(out, DTensor) else out
+    full.sum().backward()
+    grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad)
+             for n, p in emb.named_parameters()}
+    placements = {n: [type(q).__name__ for q in p.placements] for n, p in emb.named_parameters()}
+    ref_grads = dict((n, p.grad) for n, p in ref.named_parameters())
+    return (torch.allclose(full, expected, atol=1e-6), placements,
+            {n: torch.allclose(grads[n], ref_grads[n], atol=1e-6) for n in grads})
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_an_embedding_with_a_norm_inside_splits_only_its_table(sequence_parallel, tmp_path):
+    # torch's row-wise style splits every parameter of the module by rows (the norm's too,
+    # and fails registering "embed_norm.weight"); the masked lookup's partial sums are
+    # reduced once, before the norm
+    for same, placements, grads_match in run_on_ranks(
+            _normed_embedding_rowwise, 2, sequence_parallel, tmp_path=tmp_path):
+        assert same and all(grads_match.values()), grads_match
+        assert placements == {"weight": ["Shard"], "embed_norm.weight": ["Replicate"],
+                              "embed_norm.bias": ["Replicate"]}
+
+
 def _bad_plan(rank, world, plan):
     from automodel.config.schema import ModelConfig
     from automodel.distributed.mesh import MeshAxis, build_mesh

@@ -135,3 +135,22 @@ def test_a_forward_that_reads_tensor_values_is_not_refused(caplog):
                        "+model.config.intermediate_size=128", "+model.config.num_local_experts=4",
                        "pipeline=1f1b", "pipeline.pp_microbatch_size=2"))
     assert "reads tensor values (DataDependentOutputException)" in caplog.text
+
+
+def test_a_model_that_converts_a_module_while_it_builds_builds_under_the_fake_mode():
+    # (Inkling casts its short convolutions to float32 in __init__: fake parameters could not
+    # be swapped in place, and the fake step stopped outside the forward, unchecked)
+    import torch
+    from torch import nn
+
+    from automodel.compat import parameters_on_meta
+    from automodel.compat.planning import fake_tensor_mode
+
+    class Casts(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv1d(4, 4, 3, dtype=torch.bfloat16).to(dtype=torch.float32)
+
+    with fake_tensor_mode(), parameters_on_meta():
+        module = Casts()
+    assert module.conv.weight.dtype == torch.float32 and module.conv.weight.is_meta
