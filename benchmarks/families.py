@@ -59,20 +59,28 @@ TINY = {
 
 def tiny_config(model_type: str) -> dict:
     """``model.config`` of a tiny model of the family: its default config's size keys set
-    small, dropouts 0, lists with a value per layer cut to the new depth."""
+    small, dropouts and router jitter 0, lists with a value per layer cut to the new
+    depth, special token ids inside the small vocabulary."""
     from transformers import AutoConfig
 
     default = AutoConfig.for_model(model_type)
     layers = getattr(default, "num_hidden_layers", None)
     out: dict = {"model_type": model_type}
     for key, value in TINY.items():
-        if hasattr(default, key) and getattr(default, key) is not None:
+        settable = not isinstance(getattr(type(default), key, None), property)
+        if settable and hasattr(default, key) and getattr(default, key) is not None:
             out[key] = value
+    if "qk_rope_head_dim" in out and "head_dim" in out:  # (MLA: head_dim is the rope part)
+        out["head_dim"] = out["qk_rope_head_dim"]
     for key, value in default.to_dict().items():
-        if isinstance(value, float) and ("dropout" in key or "pdrop" in key) and value:
+        random = ("dropout", "pdrop", "jitter")  # (parity needs a deterministic model)
+        if isinstance(value, float) and any(w in key for w in random) and value:
             out[key] = 0.0
         if isinstance(value, list) and layers and len(value) == layers:
             out[key] = value[:TINY["num_hidden_layers"]]
+        if (key.endswith("token_id") and isinstance(value, int)
+                and value >= TINY["vocab_size"]):  # (special tokens inside the vocabulary)
+            out[key] = TINY["vocab_size"] - 1
     return out
 
 

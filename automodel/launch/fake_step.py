@@ -184,6 +184,12 @@ def cut_down(cfg: TrainConfig) -> tuple[TrainConfig, int]:
     if layers < total:
         changes["model"] = dataclasses.replace(cfg.model, config={
             **cfg.model.config, **_per_layer_keys(text, layers), "num_hidden_layers": layers})
+        try:
+            hf_config(changes["model"])
+        except Exception as err:  # (a family whose other keys count layers: Dory's sections)
+            log.info("preflight: the fake step runs all %d layers: transformers refuses the "
+                     "model cut to %d (%s)", total, layers, _root_cause(err))
+            return dataclasses.replace(cfg, **_one_batch(cfg, p)), total
         if p is not None and p.layers_per_stage is not None:
             changes["pipeline"] = dataclasses.replace(p, layers_per_stage=1)
     changes.update(_one_batch(cfg, changes.get("pipeline", p)))

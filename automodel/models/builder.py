@@ -67,9 +67,22 @@ def build_model(cfg: ModelConfig, seed: int) -> nn.Module:
         overrides = {k: v for k, v in cfg.config.items() if k != "model_type"}
         model = auto_class(config).from_pretrained(cfg.pretrained_path, dtype=dtype,
                                                    **overrides)
+        _keep_frozen_as_built(model, config)
     else:
         model = auto_class(config).from_config(config, dtype=dtype)
     return _finish(model, cfg)
+
+
+def _keep_frozen_as_built(model: nn.Module, config) -> None:
+    """Parameters the model's constructor freezes (Pegasus' sinusoidal positions) stay frozen
+    after ``from_pretrained``, which loads every weight as a trainable one: as the meta-device
+    build every distributed layout starts from has them."""
+    with parameters_on_meta():
+        built = type(model)(config)
+    frozen = {n for n, p in built.named_parameters() if not p.requires_grad}
+    for name, p in model.named_parameters():
+        if name in frozen:
+            p.requires_grad_(False)
 
 
 def _finish(model: nn.Module, cfg: ModelConfig) -> nn.Module:

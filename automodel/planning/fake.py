@@ -77,11 +77,14 @@ def allocate_fake(parts: list) -> None:
 
 
 def _empty(t: torch.Tensor) -> torch.Tensor:
+    """A fake host tensor of ``t``'s shape (made from no tensor: a plain meta ``t`` would
+    make a real one under ``RealStaysReal``)."""
     if isinstance(t, DTensor):
-        return DTensor.from_local(torch.empty_like(t.to_local(), device="cpu"), t.device_mesh,
-                                  t.placements, run_check=False, shape=t.shape,
+        local = t.to_local()
+        return DTensor.from_local(torch.empty(local.shape, dtype=local.dtype, device="cpu"),
+                                  t.device_mesh, t.placements, run_check=False, shape=t.shape,
                                   stride=t.stride())
-    return torch.empty_like(t, device="cpu")
+    return torch.empty(t.shape, dtype=t.dtype, device="cpu")
 
 
 class ModuleFailed(RuntimeError):

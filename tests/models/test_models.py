@@ -58,6 +58,23 @@ def test_blocks_without_no_split_modules_and_blocks_that_share_a_weight():
     assert "bert.embeddings" in block_fqns(untied)  # (not tied: a block of its own)
 
 @pytest.mark.fast
+def test_weights_the_model_freezes_stay_frozen_from_a_checkpoint(tmp_path):
+    # Pegasus' sinusoidal positions are frozen by its constructor; from_pretrained loads them
+    # trainable, the meta-device build of the distributed layouts keeps them frozen
+    from automodel.models.builder import build_meta_model
+
+    cfg = {"model_type": "pegasus", "vocab_size": 256, "d_model": 32, "decoder_layers": 1,
+           "encoder_layers": 1, "decoder_attention_heads": 2, "encoder_attention_heads": 2,
+           "decoder_ffn_dim": 64, "encoder_ffn_dim": 64, "max_position_embeddings": 64}
+    build_model(ModelConfig(config=cfg), seed=0).save_pretrained(str(tmp_path))
+    name = "model.decoder.embed_positions.weight"
+    for model in (build_model(ModelConfig(pretrained_path=str(tmp_path)), seed=0),
+                  build_meta_model(ModelConfig(pretrained_path=str(tmp_path)))):
+        assert not dict(model.named_parameters())[name].requires_grad
+    assert dict(model.named_parameters())["model.decoder.layers.0.fc1.weight"].requires_grad
+
+
+@pytest.mark.fast
 @pytest.mark.parametrize("mode", ["full", "selective"])
 def test_parallelize_wraps_blocks_and_keeps_parameter_names(mode):
     model = build_model(ModelConfig(config=CONFIG), seed=0)

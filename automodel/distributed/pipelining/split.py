@@ -55,6 +55,10 @@ class _PassThrough:
             raise AttributeError(name) from None
 
 
+class PipelineSplitError(ValueError):
+    """The model's forward does something a pipeline split cannot reproduce."""
+
+
 class _OwnedCall:
     """A layer of this stage as the base model's loop sees it: the first one may take the
     stage's input, the last one records the stage's output."""
@@ -66,6 +70,12 @@ class _OwnedCall:
     def __call__(self, *args, **kwargs):
         sl = self._stage_layers
         layer = child_module(sl, str(self._index))
+        if self._index in sl.ran:
+            raise PipelineSplitError(
+                f"the forward of the model runs its decoder layer {self._index} more than once "
+                "in one pass (a recurrent section of layers): a pipeline stage runs each of its "
+                "layers once, in order; train this model without a pipeline (pipeline=none)")
+        sl.ran.add(self._index)
         if self._index == sl.first and sl.stage_input is not None:
             x, sl.stage_input = sl.stage_input, None
             if args:
@@ -103,6 +113,7 @@ class StageLayers(nn.Module):
         # how the layers return (None: a tensor; tuple or list), learned from the first call
         # of an owned layer: the layers after this stage's last are passed in that form
         self.output_form: type | None = None
+        self.ran: set = set()  # the owned layers run in this pass (``_stage_forward`` resets)
         self.stage_input: torch.Tensor | None = None
         self.stage_output: torch.Tensor | None = None
 
@@ -151,6 +162,8 @@ def _stage_forward(self, x: torch.Tensor, carried: torch.Tensor | None = None):
         kwargs["inputs_embeds"] = x
         if isinstance(layers, StageLayers):
             layers.stage_input = x
+    if isinstance(layers, StageLayers):
+        layers.ran = set()
     if role.router_stats is not None:  # the model's own record of its routers' logits
         kwargs["output_router_logits"] = True
     if role.last:
