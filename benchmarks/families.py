@@ -109,7 +109,11 @@ def _train(overrides: list, folder: Path):
 
 def _first_words(err: BaseException, n: int = 220) -> str:
     lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-    return f"{type(err).__name__}: {' '.join(lines[:3])}"[:n]
+    text = " ".join(lines[:3])
+    if " fails in " in text and "on fake tensors" in text:  # (the fake step: where and why)
+        where = text.split(" fails in ", 1)[1].split(". Every rank would fail", 1)[0]
+        return f"fake step fails in {where}"[:n]
+    return f"{type(err).__name__}: {text}"[:n]
 
 
 def _compare(records, ref) -> str:

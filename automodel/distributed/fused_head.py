@@ -37,6 +37,10 @@ def fused_head_problem(model: nn.Module) -> str | None:
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if not isinstance(head, nn.Linear):
         return f"its LM head is {type(head).__name__}, not a linear layer"
+    extra = sorted(n for n, _ in head.named_parameters() if n not in ("weight", "bias"))
+    if extra or type(head).forward is not nn.Linear.forward:  # (Dory's scaled head)
+        return (f"its LM head {type(head).__name__} does more than a linear layer (its own "
+                f"forward{', weights ' + ', '.join(extra) if extra else ''})")
     configs = [model.config]
     if hasattr(model.config, "get_text_config"):
         configs.append(model.config.get_text_config())

@@ -154,6 +154,24 @@ def activations_with_weights(model: nn.Module, concrete: dict[str, str]) -> list
     return found
 
 
+def per_head_weights(model: nn.Module, concrete: dict[str, str]) -> list[str]:
+    """Modules with weights of one head's width inside an attention module whose heads the
+    plan splits, and not in the plan (a q/k norm per head that a family's Hugging Face plan
+    leaves out, as GLM-4-MoE's and Sarvam-MoE's do): they run on this rank's heads, so their
+    weights' gradients are partial sums over the TP ranks."""
+    found = []
+    for parent in head_split_modules(concrete):
+        attention = _module_or_none(model, parent)
+        head_dim = getattr(attention, "head_dim", None)
+        for name, child in attention.named_children():
+            fqn = f"{parent}.{name}"
+            own = [p for p in child.parameters(recurse=False) if p.requires_grad]
+            if (own and fqn not in concrete and not isinstance(child, nn.Linear)
+                    and all(p.shape[-1] == head_dim for p in own)):
+                found.append(fqn)
+    return found
+
+
 def check_divisibility(model: nn.Module, concrete: dict[str, str], tp: int) -> None:
     """What the plan needs of the model's sizes: heads split by TP, a vocabulary split."""
     cfg = model.config
@@ -238,6 +256,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: dict, source: str,
             styles[fqn] = style
     for fqn in activations_with_weights(model, concrete):  # (on local features: -1)
         styles.setdefault(fqn, ReplicatedWithGradAllReduce(input_dim=-1))
+    for fqn in per_head_weights(model, concrete):  # (on local heads: -2)
+        styles.setdefault(fqn, ReplicatedWithGradAllReduce())
     if sequence_parallel:
         for fqn, style in _sequence_parallel_extras(model, block_fqns, concrete).items():
             styles.setdefault(fqn, style)

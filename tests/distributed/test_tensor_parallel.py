@@ -113,10 +113,10 @@ class _NormedEmbedding:  # (built inside the ranks: torch imported there)
 def _normed_embedding_rowwise(rank, world, sequence_parallel):
     import torch
     from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import parallelize_module
 
     from automodel.distributed.mesh import MeshAxis, build_mesh
     from automodel.distributed.tensor_parallel import _style
-    from torch.distributed.tensor.parallel import parallelize_module
 
     mesh = build_mesh("cpu", "gloo", 1, pp=1, dp_replicate=1, dp_shard=1, cp=1, tp=2)
     ref, emb = _NormedEmbedding.make(16, 8), _NormedEmbedding.make(16, 8)

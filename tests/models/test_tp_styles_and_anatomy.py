@@ -197,3 +197,17 @@ def test_activations_with_weights_beside_a_split_projection_are_found():
         f"model.layers.{i}.mlp.act_fn" for i in range(4)]
     model = _meta("llama")  # SiLU has no weights
     assert activations_with_weights(model, expand_plan(model, *select_tp_plan(model, None))) == []
+
+
+def test_per_head_weights_left_out_of_a_plan_are_found():
+    from automodel.distributed.tensor_parallel import expand_plan, per_head_weights
+    from automodel.models.tp_plans import select_tp_plan
+
+    # GLM-4-MoE's plan splits q/k/v by heads but leaves its per-head q/k norms out
+    model = _meta("glm4_moe", use_qk_norm=True, head_dim=16, moe_intermediate_size=32,
+                  n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1)
+    concrete = expand_plan(model, *select_tp_plan(model, None))
+    assert per_head_weights(model, concrete) == [
+        f"model.layers.{i}.self_attn.{n}" for i in range(4) for n in ("q_norm", "k_norm")]
+    model = _meta("qwen3")  # Qwen3's plan names its norms itself
+    assert per_head_weights(model, expand_plan(model, *select_tp_plan(model, None))) == []

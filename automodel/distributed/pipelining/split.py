@@ -46,7 +46,10 @@ class _PassThrough:
     def __call__(self, *args, **kwargs):
         x = args[0] if args else kwargs["hidden_states"]
         form = self._stage_layers.output_form
-        return form((x,)) if form is not None else x
+        if form is None:
+            return x
+        kind, length = form  # (the other outputs, e.g. attention weights: none here)
+        return kind((x,) + (None,) * (length - 1))
 
     def __getattr__(self, name):
         try:
@@ -84,7 +87,8 @@ class _OwnedCall:
                 kwargs = dict(kwargs, hidden_states=x)
         out = layer(*args, **kwargs)
         sequence = isinstance(out, (tuple, list))  # (older layers: hidden states first)
-        sl.output_form = (list if isinstance(out, list) else tuple) if sequence else None
+        sl.output_form = ((list if isinstance(out, list) else tuple, len(out)) if sequence
+                          else None)
         if self._index == sl.last:
             sl.stage_output = out[0] if sequence else out
         return out
@@ -110,9 +114,10 @@ class StageLayers(nn.Module):
         self.first, self.last = owned[0], owned[-1]
         self._others = {i: _PassThrough(_simple_attrs(layers[i]), self)
                         for i in range(self.total) if i not in owned}
-        # how the layers return (None: a tensor; tuple or list), learned from the first call
-        # of an owned layer: the layers after this stage's last are passed in that form
-        self.output_form: type | None = None
+        # how the layers return (None: a tensor; else (tuple or list, length)), learned from
+        # the first call of an owned layer: the layers after this stage's last are passed in
+        # that form
+        self.output_form: tuple | None = None
         self.ran: set = set()  # the owned layers run in this pass (``_stage_forward`` resets)
         self.stage_input: torch.Tensor | None = None
         self.stage_output: torch.Tensor | None = None
