@@ -91,11 +91,13 @@ def save_tiny(model_type: str, folder: Path) -> str:
 
     kwargs = {k: v for k, v in tiny_config(model_type).items() if k != "model_type"}
     config = AutoConfig.for_model(model_type, **kwargs)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    params = sum(p.numel() for p in model.parameters())
+    with torch.device("meta"):  # (counted before any memory is taken: an image-text family's
+        shape = AutoModelForCausalLM.from_config(config)  # sub-configs stay full size)
+    params = sum(p.numel() for p in shape.parameters())
     if params > 30e6:
         raise ValueError(f"{params / 1e6:.0f}M parameters: its default config does not shrink")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     path = folder / model_type
     model.save_pretrained(str(path))
     return str(path)

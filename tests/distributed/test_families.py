@@ -15,13 +15,12 @@ head counts under the Llama-style fallback plan (StableLM: the counts set to eac
 share), an activation with weights between the split MLP projections (Apertus' xIELU: its
 gradients summed over the TP ranks), and modules around the blocks that pipeline stages must
 place: learned positions (GPT-2), a decoder one level down with learned positions (OPT), an
-embedding norm and layers that return tuples (BLOOM), and a family that declares no
-``_no_split_modules`` and whose layers return a list (GPT-1: its blocks are the layer list's
-items, and a stage passes the other stages' layers in the same form). These have no TP plan
-of their own and other module names than Llama's (refused under TP, docs/models.md), so they
-run under the pipeline only. BERT as a decoder lists its embeddings among
-``_no_split_modules`` while its word embedding is tied to the LM head: under FSDP2 the tied
-weight stays in the root unit.
+embedding norm and layers that return tuples (BLOOM, GPT-Neo: a stage passes the other stages'
+layers in the same form), and a family that declares no ``_no_split_modules`` (BioGPT: its
+blocks are the layer list's items). These have no TP plan of their own and other module names
+than Llama's (refused under TP, docs/models.md), so they run under the pipeline only. BERT as
+a decoder lists its embeddings among ``_no_split_modules`` while its word embedding is tied to
+the LM head: under FSDP2 the tied weight stays in the root unit.
 """
 
 import pytest
@@ -37,7 +36,7 @@ LAYOUTS = {
 }
 # (family, layout) beyond FAMILIES x LAYOUTS
 WAYS = [("stablelm_tiny", "tp2"), ("apertus_tiny", "tp2"), ("gpt2_tiny", "pp2_1f1b"),
-        ("opt_tiny", "pp2_1f1b"), ("bloom_tiny", "pp2_1f1b"), ("openai_gpt_tiny", "pp2_1f1b"),
+        ("opt_tiny", "pp2_1f1b"), ("bloom_tiny", "pp2_1f1b"), ("gpt_neo_tiny", "pp2_1f1b"), ("biogpt_tiny", "pp2_1f1b"),
         ("bert_decoder_tiny", "fsdp2")]
 WAY_LAYOUTS = {**LAYOUTS, "fsdp2": ["parallelism=fsdp2", FP32]}
 
