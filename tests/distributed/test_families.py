@@ -36,8 +36,8 @@ LAYOUTS = {
 }
 # (family, layout) beyond FAMILIES x LAYOUTS
 WAYS = [("stablelm_tiny", "tp2"), ("apertus_tiny", "tp2"), ("gpt2_tiny", "pp2_1f1b"),
-        ("opt_tiny", "pp2_1f1b"), ("bloom_tiny", "pp2_1f1b"), ("gpt_neo_tiny", "pp2_1f1b"), ("biogpt_tiny", "pp2_1f1b"),
-        ("bert_decoder_tiny", "fsdp2")]
+        ("opt_tiny", "pp2_1f1b"), ("bloom_tiny", "pp2_1f1b"), ("gpt_neo_tiny", "pp2_1f1b"),
+        ("biogpt_tiny", "pp2_1f1b"), ("bert_decoder_tiny", "fsdp2")]
 WAY_LAYOUTS = {**LAYOUTS, "fsdp2": ["parallelism=fsdp2", FP32]}
 
 
