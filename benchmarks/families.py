@@ -54,6 +54,7 @@ TINY = {
     "n_shared_experts": 1, "first_k_dense_replace": 1, "kv_lora_rank": 16, "q_lora_rank": 32,
     "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16, "n_group": 1,
     "topk_group": 1, "sliding_window": 64, "rotary_dim": 8, "d_kv": 16,
+    "init_std": 0.02,  # (CpmAnt's default of 1.0 starts at a loss of 23: chaotic steps)
 }
 
 
