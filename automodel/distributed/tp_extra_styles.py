@@ -164,46 +164,47 @@ class LocalParams(ParallelStyle):
 
 
 
-def _split_own_table(style, dim: int):
-    """A partition function for an embedding that splits only the module's own table on
+def _split_own_table(style, name, module, mesh, dim: int) -> None:
+    """An embedding style's partition function that splits only the module's own table on
     ``dim``: torch's splits every parameter of the module, its submodules' included (a norm
-    inside the embedding's forward, as in Inkling's normed embedding, would be split by rows
-    and fail); the submodules' weights are replicated (``distribute_module`` does that)."""
+    inside the embedding's forward, as in Inkling's normed embedding, would be split and
+    fail); the submodules' weights are replicated (``distribute_module`` does that)."""
+    if name:  # a submodule
+        return
+    for p_name, param in list(module.named_parameters(recurse=False)):
+        module.register_parameter(p_name, nn.Parameter(
+            distribute_tensor(param, mesh, [Shard(dim)], src_data_rank=style.src_data_rank),
+            requires_grad=param.requires_grad))
 
-    def partition(name, module, mesh):
-        if name:  # a submodule
-            return
-        for p_name, param in list(module.named_parameters(recurse=False)):
-            module.register_parameter(p_name, nn.Parameter(
-                distribute_tensor(param, mesh, [Shard(dim)], src_data_rank=style.src_data_rank),
-                requires_grad=param.requires_grad))
 
-    return partition
+def _whole_inputs_for_submodules(module: nn.Module) -> None:
+    """A submodule of a row-wise split embedding (a norm after the lookup) sees the lookup's
+    partial sums reduced: DTensor reduces a masked lookup only once, and the norm's several
+    operations would each try. (A column-wise lookup's features DTensor gathers itself.)"""
+    for child in module.children():
+        child.register_forward_pre_hook(_replicated_inputs)
+
+
+def _replicated_inputs(_module, args):
+    return tuple(x.redistribute(placements=[Replicate()] * len(x.placements))
+                 if isinstance(x, DTensor) and not all(p.is_replicate() for p in x.placements)
+                 else x for x in args)
 
 
 class EmbeddingRowwise(RowwiseParallel):
-    """``RowwiseParallel`` on an embedding (split by vocabulary) that may hold submodules:
-    the lookup's partial sums are reduced before a submodule uses them (DTensor reduces a
-    masked lookup only once; the norm's several operations would each try)."""
+    """``RowwiseParallel`` on an embedding (split by vocabulary) that may hold submodules."""
 
     def _partition_embedding_fn(self, name, module, device_mesh):
-        _split_own_table(self, 0)(name, module, device_mesh)
+        _split_own_table(self, name, module, device_mesh, 0)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         module = super()._apply(module, device_mesh)
-        for child in module.children():
-            child.register_forward_pre_hook(_reduce_partial_inputs)
+        _whole_inputs_for_submodules(module)
         return module
-
-
-def _reduce_partial_inputs(_module, args):
-    return tuple(x.redistribute(placements=[Replicate()] * len(x.placements))
-                 if isinstance(x, DTensor) and any(p.is_partial() for p in x.placements) else x
-                 for x in args)
 
 
 class EmbeddingColwise(ColwiseParallel):
     """``ColwiseParallel`` on an embedding (split by features) that may hold submodules."""
 
     def _partition_embedding_fn(self, name, module, device_mesh):
-        _split_own_table(self, 1)(name, module, device_mesh)
+        _split_own_table(self, name, module, device_mesh, 1)

@@ -110,7 +110,7 @@ class _NormedEmbedding:  # (built inside the ranks: torch imported there)
         return NormedEmbedding()
 
 
-def _normed_embedding_rowwise(rank, world, sequence_parallel):
+def _normed_embedding_split(rank, world, style, sequence_parallel):
     import torch
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import parallelize_module
@@ -124,7 +124,7 @@ def _normed_embedding_rowwise(rank, world, sequence_parallel):
     expected = ref(ids)
     expected.sum().backward()
     parallelize_module(emb, mesh[MeshAxis.TP],
-                       _style("embedding_rowwise", emb, sequence_parallel, False))
+                       _style(style, emb, sequence_parallel, False))
     out = emb(ids)
     full = out.full_tensor() if isinstance(out, DTensor) else out
     full.sum().backward()
@@ -136,13 +136,16 @@ def _normed_embedding_rowwise(rank, world, sequence_parallel):
             {n: torch.allclose(grads[n], ref_grads[n], atol=1e-6) for n in grads})
 
 
-@pytest.mark.parametrize("sequence_parallel", [False, True])
-def test_an_embedding_with_a_norm_inside_splits_only_its_table(sequence_parallel, tmp_path):
-    # torch's row-wise style splits every parameter of the module by rows (the norm's too,
-    # and fails registering "embed_norm.weight"); the masked lookup's partial sums are
-    # reduced once, before the norm
+@pytest.mark.parametrize("style,sequence_parallel", [
+    ("embedding_rowwise", False), ("embedding_rowwise", True), ("embedding_colwise", False)])
+def test_an_embedding_with_a_norm_inside_splits_only_its_table(style, sequence_parallel,
+                                                               tmp_path):
+    # torch's embedding styles split every parameter of the module (the norm's too, and fail
+    # registering "embed_norm.weight"); the norm sees the whole lookup: the row-wise masked
+    # lookup's partial sums reduced once, the column-wise lookup's features gathered (a norm
+    # over a rank's half of the features would be silently wrong)
     for same, placements, grads_match in run_on_ranks(
-            _normed_embedding_rowwise, 2, sequence_parallel, tmp_path=tmp_path):
+            _normed_embedding_split, 2, style, sequence_parallel, tmp_path=tmp_path):
         assert same and all(grads_match.values()), grads_match
         assert placements == {"weight": ["Shard"], "embed_norm.weight": ["Replicate"],
                               "embed_norm.bias": ["Replicate"]}
