@@ -5,6 +5,7 @@ import torch
 
 from automodel.config.pipeline_layout import count_stages, stage_layer_ranges
 from automodel.config.schema import ModelConfig
+from automodel.distributed.pipelining.loop_form import loop_output_form
 from automodel.distributed.pipelining.schedule import schedule_spec, stages_of_rank
 from automodel.distributed.pipelining.split import (
     StageContents,
@@ -80,6 +81,10 @@ FAMILY_SIZES = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
     ("granite", {"embedding_multiplier": 3.0, "logits_scaling": 2.0}),  # multiplier in forward
     ("gptj", {"rotary_dim": 4}),  # wte / h / ln_f
     ("stablelm", {}),  # no base_model_pp_plan: found by search
+    # layers return (hidden, attention weights), the loop unpacks two: the stages after the
+    # first pass the earlier stages' layers as pairs before their own layer has run
+    ("bamba", {"mamba_n_heads": 4, "mamba_d_head": 16, "mamba_n_groups": 1,
+               "mamba_chunk_size": 4, "attn_layer_indices": [1]}),
 ])
 def test_three_stages_compose_to_the_model_for_other_families(model_type, extra):
     model = build_model(ModelConfig(config={"model_type": model_type, **FAMILY_SIZES, **extra}),
@@ -88,11 +93,12 @@ def test_three_stages_compose_to_the_model_for_other_families(model_type, extra)
     stages = [build_stage(model, anatomy, c) for c in (
         StageContents([0], embed=True, head=False), StageContents([1, 2], False, False),
         StageContents([3], embed=False, head=True))]
-    ids = torch.randint(0, 64, (2, 12))
-    x = ids
-    for stage in stages:
-        x = stage(x)
-    torch.testing.assert_close(x, model(input_ids=ids, use_cache=False).logits)
+    for batch in (1, 3):  # (a tensor of two samples would unpack as a pair)
+        ids = torch.randint(0, 64, (batch, 12))
+        x = ids
+        for stage in stages:
+            x = stage(x)
+        torch.testing.assert_close(x, model(input_ids=ids, use_cache=False).logits)
     full = set(model.state_dict())
     names = [set(s.state_dict()) for s in stages]
     assert set().union(*names) == full
@@ -140,3 +146,40 @@ def test_forward_patches_can_be_turned_off():
     assert not isinstance(stage.model.layers, StageLayers)
     patched = build_stage(model, anatomy, StageContents([0, 1], embed=True, head=True))
     assert "forward" in vars(patched) and isinstance(patched.model.layers, StageLayers)
+
+
+class _Pairs:
+    def forward(self, x):
+        for i, layer in enumerate(self.layers[: self.n]):
+            x, attn = layer(x, i)
+        return x
+
+
+class _Indexed:
+    def forward(self, x):
+        for block in self.h:
+            out = block(x)
+            x = out[0]
+            if self.keep:
+                self.kept.append(out[2])
+        return x
+
+
+class _Plain:
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class _Elsewhere:
+    def forward(self, x):
+        return self.run(x)
+
+
+def test_the_loop_shows_what_a_passed_layer_returns():
+    assert loop_output_form(_Pairs, "layers") == (True, (tuple, 2))
+    assert loop_output_form(_Indexed, "h") == (True, (tuple, 3))  # (index 2 read)
+    assert loop_output_form(_Plain, "layers") == (True, None)
+    assert loop_output_form(_Plain, "blocks") == (False, None)
+    assert loop_output_form(_Elsewhere, "layers") == (False, None)

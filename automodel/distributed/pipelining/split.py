@@ -29,6 +29,7 @@ from torch import nn
 
 from automodel.compat import child_module, map_tensors, tensor_leaves
 from automodel.config.pipeline_layout import stage_layer_ranges
+from automodel.distributed.pipelining.loop_form import loop_output_form
 from automodel.models.anatomy import Anatomy
 
 
@@ -106,7 +107,7 @@ class StageLayers(nn.Module):
     """This stage's decoder layers under their original indices, standing in for the whole
     layer list (length and order of the unsplit model's)."""
 
-    def __init__(self, layers: nn.ModuleList, owned: list[int]):
+    def __init__(self, layers: nn.ModuleList, owned: list[int], form: tuple | None = None):
         super().__init__()
         self.total = len(layers)
         for i in owned:
@@ -114,10 +115,9 @@ class StageLayers(nn.Module):
         self.first, self.last = owned[0], owned[-1]
         self._others = {i: _PassThrough(_simple_attrs(layers[i]), self)
                         for i in range(self.total) if i not in owned}
-        # how the layers return (None: a tensor; else (tuple or list, length)), learned from
-        # the first call of an owned layer: the layers after this stage's last are passed in
-        # that form
-        self.output_form: tuple | None = None
+        # how the layers return (None: a tensor; else (tuple or list, length)): at first as
+        # the base model's loop takes it (``loop_form``), then as the owned layers return it
+        self.output_form: tuple | None = form
         self.ran: set = set()  # the owned layers run in this pass (``_stage_forward`` resets)
         self.stage_input: torch.Tensor | None = None
         self.stage_output: torch.Tensor | None = None
@@ -270,7 +270,8 @@ def build_stage(model: nn.Module, anatomy: Anatomy, contents: StageContents,
     stack = stage.get_submodule(anatomy.stack)
     layers = getattr(stack, anatomy.layers)
     if patch_inner:
-        setattr(stack, anatomy.layers, StageLayers(layers, contents.layers))
+        _, form = loop_output_form(type(stack), anatomy.layers)
+        setattr(stack, anatomy.layers, StageLayers(layers, contents.layers, form))
     else:  # the model's own forward copes with a pruned list (original keys kept)
         setattr(stack, anatomy.layers, nn.ModuleDict({str(i): layers[i] for i in contents.layers}))
     if not contents.embed:
