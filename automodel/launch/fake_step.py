@@ -17,7 +17,10 @@ model allocated), cut down to a shape check:
   short with a warning, and the job starts unchecked.
 
 Layouts without tensor, context, pipeline or expert parallelism run the model's own code as
-one process does and are not stepped. ``distributed.preflight_step=false`` turns it off.
+one process does and are not stepped, unless ``parallelism.mp_policy`` casts the parameters
+to a lower precision (the default: bfloat16): one process trains in float32, and a family
+whose forward mixes its float32 buffers with cast weights (GPT-1's attention mask) fails
+only then. ``distributed.preflight_step=false`` turns it off.
 """
 
 from __future__ import annotations
@@ -44,8 +47,14 @@ class _OutOfTime(BaseException):
 
 def needs_fake_step(cfg: TrainConfig) -> bool:
     m = cfg.mesh
-    return cfg.distributed.preflight_step and max(m.tp_size, m.cp_size, m.ep_size,
-                                                  cfg.layout.pp) > 1
+    return cfg.distributed.preflight_step and (
+        max(m.tp_size, m.cp_size, m.ep_size, cfg.layout.pp) > 1 or casts_parameters(cfg))
+
+
+def casts_parameters(cfg: TrainConfig) -> bool:
+    """The mixed-precision policy computes in another dtype than float32."""
+    mp = cfg.mp_policy
+    return mp is not None and mp.kwargs.get("param_dtype") not in (None, "float32")
 
 
 def check_fake_step(cfg: TrainConfig) -> None:
@@ -159,11 +168,23 @@ def _refusal(cfg: TrainConfig, layout: str, rank_class, layers: int, module: str
     return (f"{family_name(cfg)} cannot train with {layout}: one training step of "
             f"{rank_class.name} (rank {rank_class.rank}), run before launch on fake tensors "
             f"with the model cut to {layers} layer{'s' if layers > 1 else ''}, fails in {module}: "
-            f"{what}. Every rank would fail the same way in step 1. Choose another layout "
-            "(e.g. without mesh.tp_size, mesh.cp_size, the pipeline or mesh.ep_size; "
-            "docs/options.md lists what each family supports), or give the model a "
-            "parallelism.tp_plan of its own. (distributed.preflight_step=false skips this "
-            "check.)")
+            f"{what}. Every rank would fail the same way in step 1. {_advice(cfg, what)} "
+            "(distributed.preflight_step=false skips this check.)")
+
+
+def _advice(cfg: TrainConfig, what: str) -> str:
+    if casts_parameters(cfg) and any(w in what.lower() for w in _DTYPE_WORDS):
+        dtype = cfg.mp_policy.kwargs["param_dtype"]
+        return (f"The model's forward does not take its weights in {dtype} "
+                f"(parallelism.mp_policy casts them): train it with float32 weights, "
+                "parallelism.mp_policy={_target_:torch.distributed.fsdp.MixedPrecisionPolicy,"
+                "param_dtype:float32,reduce_dtype:float32}.")
+    return ("Choose another layout (e.g. without mesh.tp_size, mesh.cp_size, the pipeline or "
+            "mesh.ep_size; docs/options.md lists what each family supports), or give the "
+            "model a parallelism.tp_plan of its own.")
+
+
+_DTYPE_WORDS = ("dtype", "bfloat16", "float16", "half", "scalar type")
 
 
 def cut_down(cfg: TrainConfig) -> tuple[TrainConfig, int]:

@@ -12,6 +12,7 @@ from automodel.api import load_config
 from automodel.config.build import ConfigError
 from automodel.launch import fake_step
 from automodel.launch.preflight import preflight
+from tests.helpers import FP32
 
 pytestmark = pytest.mark.fast
 
@@ -162,3 +163,18 @@ def test_a_model_that_runs_its_layers_twice_is_refused_under_a_pipeline():
     message = _refusal("model=dory_tiny", "parallelism=fsdp2", "pipeline=1f1b")
     assert "DoryForCausalLM" in message and "more than once in one pass" in message
     assert "pipeline=none" in message
+
+
+def test_a_family_that_fails_with_cast_weights_is_refused_under_the_default_precision(caplog):
+    # GPT-1's attention multiplies by a float32 mask buffer: with weights cast to bfloat16
+    # (the default mp_policy) its next matmul meets two dtypes. One process trains in float32,
+    # so a layout of data parallelism alone is stepped too when the policy casts
+    gpt1 = ["model.config.model_type=openai-gpt", "parallelism=fsdp2"]
+    message = _refusal(*gpt1)
+    assert message.startswith("OpenAIGPTLMHeadModel (model_type 'openai-gpt') cannot train "
+                              "with parallelism=fsdp2 pipeline=none dp_shard 2")
+    assert "fails in transformer.h.0.attn" in message
+    assert "param_dtype:float32" in message  # (the fix, not another layout)
+    with caplog.at_level(logging.INFO, logger="automodel.launch.fake_step"):
+        preflight(_cfg(*gpt1, FP32))  # float32 weights: nothing to check, not stepped
+    assert "on fake tensors" not in caplog.text
