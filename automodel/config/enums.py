@@ -104,6 +104,23 @@ class WandbMode(Choice):
     disabled = "disabled"
 
 
+class PeftMethod(Choice):
+    """``peft.method`` (the ``peft`` group's files): no adapters, or LoRA adapters beside the
+    frozen base weights."""
+
+    none = "none"
+    lora = "lora"
+
+
+class LoraInit(Choice):
+    """``peft.init_lora_weights``: how A starts (B starts at zero, so the adapted model starts
+    as the base): kaiming (uniform, as ``nn.Linear`` draws its weights) or gaussian
+    (normal with standard deviation 1/rank)."""
+
+    kaiming = "kaiming"
+    gaussian = "gaussian"
+
+
 class ACMode(Choice):
     """Activation checkpointing: none, full (whole blocks), selective (what torch's policy
     picks inside each block)."""
@@ -132,4 +149,6 @@ NOTES = {
     "Loss": " (auto: the LM head fused with the loss where that is exact)",
     "VisionUnit": " (each tower block its own FSDP2 unit, or the whole tower one unit)",
     "WandbMode": " (W&B's WANDB_MODE, else online)",
+    "PeftMethod": " (the peft group: peft=none or peft=lora)",
+    "LoraInit": " (A's initialization; B starts at zero)",
 }

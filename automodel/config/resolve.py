@@ -32,6 +32,7 @@ from automodel.config.validate import (
 from automodel.config.validate_data import check_data, check_data_with_layout
 from automodel.config.validate_layout import resolve_layout, resolve_trainer
 from automodel.config.validate_model import check_model
+from automodel.config.validate_peft import check_peft
 from automodel.config.validate_pipeline import check_pipeline, check_pipeline_model
 from automodel.data.registry import DATA_SOURCES
 
@@ -67,6 +68,7 @@ class TrainConfig:
     launch: LaunchEnv
     logger: s.LoggerConfig = field(default_factory=s.LoggerConfig)
     checkpoint: s.CheckpointConfig = field(default_factory=s.CheckpointConfig)
+    peft: s.PeftConfig = field(default_factory=s.PeftConfig)  # adapters (method none: none)
     output_dir: str = "."
     experiment: Optional[str] = None  # names a folder shared by its submissions (checkpoints)
     sweep_dir: Optional[str] = None  # the multirun's directory when this job is one of a sweep
@@ -115,7 +117,7 @@ def _plain_nodes(cfg) -> dict:
     from omegaconf.errors import MissingMandatoryValue
 
     expected = {"mesh", "distributed", "trainer", "parallelism", "pipeline", "model", "data",
-                "optim", "logger", "checkpoint", "experiment"}
+                "optim", "logger", "checkpoint", "experiment", "peft"}
     extra = sorted(set(cfg.keys()) - expected - {"hydra"})
     if extra:
         raise ConfigError(f"unknown top-level key(s) {extra}; allowed: {sorted(expected)}")
@@ -184,6 +186,8 @@ def resolve(cfg, env: Optional[Mapping[str, str]] = None, output_dir: str = ".",
     logger = build(s.LoggerConfig, plain.get("logger"), "logger")
     checkpoint = build(s.CheckpointConfig, plain.get("checkpoint"), "checkpoint")
     check_checkpoint(checkpoint)
+    peft = check_peft(build(s.PeftConfig, plain.get("peft"), "peft"), strategy.name, mesh,
+                      pipeline_chosen, checkpoint)
     experiment = plain.get("experiment")
     checkpoint = resolve_checkpoint(checkpoint, experiment, output_dir, sweep_dir,
                                     output_named_by_time)
@@ -197,7 +201,7 @@ def resolve(cfg, env: Optional[Mapping[str, str]] = None, output_dir: str = ".",
         mesh=mesh, layout=layout, pipeline=pipeline,
         distributed=distributed, model=model, data_source=source.name, data=data,
         optim=optim, trainer=trainer,
-        launch=launch, logger=logger, checkpoint=checkpoint, output_dir=output_dir,
+        launch=launch, logger=logger, checkpoint=checkpoint, peft=peft, output_dir=output_dir,
         experiment=experiment, sweep_dir=sweep_dir,
         choices=dict(choices or {}),
         overrides=list(overrides or []), resolved=plain)

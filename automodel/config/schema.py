@@ -12,7 +12,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from automodel.config.enums import FrozenSharding, Loss, OnNonfinite, VisionUnit, WandbMode
+from automodel.config.enums import (
+    FrozenSharding,
+    LoraInit,
+    Loss,
+    OnNonfinite,
+    PeftMethod,
+    VisionUnit,
+    WandbMode,
+)
 
 
 # --------------------------------------------------------------------------- runtime / mesh
@@ -183,6 +191,22 @@ class ModelConfig:
     dtype: str = "float32"
     # layer groups (vision, multimodal, language, audio) or parameter-name patterns to freeze
     freeze: List[str] = field(default_factory=list)
+
+
+@dataclass
+class PeftConfig:
+    """Parameter-efficient fine-tuning (the ``peft`` group): adapters beside frozen weights."""
+
+    method: PeftMethod = PeftMethod.none  # none | lora (set by peft=none / peft=lora)
+    rank: int = 8  # r: the adapters' inner width
+    alpha: float = 16.0  # the update is scaled by alpha / rank
+    dropout: float = 0.0  # on the adapter's input
+    # module-name patterns (fnmatch: *.q_proj), or [all-linear]; null: the attention and MLP
+    # projections of the language model's blocks
+    target_modules: Optional[List[str]] = None
+    exclude_modules: List[str] = field(default_factory=list)  # patterns taken out again
+    lora_dtype: str = "float32"  # the adapters' storage dtype
+    init_lora_weights: LoraInit = LoraInit.kaiming  # how A starts (B starts at zero)
 
 
 @dataclass

@@ -27,6 +27,7 @@ SCHEMAS = {
     "trainer": {"default": s.TrainerConfig},
     "logger": {"default": s.LoggerConfig},
     "checkpoint": {"default": s.CheckpointConfig},
+    "peft": {"default": s.PeftConfig},
     "plan": {"default": PlanConfig},  # (plan.py only)
 }
 

@@ -31,16 +31,19 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 from automodel.compat import local_shape_and_offset, local_tensor, unwrapped_name
 from automodel.config.schema import ModelConfig
+from automodel.peft.lora import is_adapter
 
 
 def _targets(parts: list[nn.Module]) -> dict[str, list[torch.Tensor]]:
     """Every parameter and buffer of this rank's parts by its (unsplit) name; tied weights and
-    a weight held by two parts appear under each of their names."""
+    a weight held by two parts appear under each of their names. Adapters are not among them
+    (``automodel.peft.init_adapters`` fills those, from their own seeds)."""
     out: dict[str, list[torch.Tensor]] = {}
     for part in parts:
         for name, t in [*part.named_parameters(remove_duplicate=False),
                         *part.named_buffers(remove_duplicate=False)]:
-            out.setdefault(_clean(name), []).append(t)
+            if not is_adapter(_clean(name)):
+                out.setdefault(_clean(name), []).append(t)
     return out
 
 
@@ -50,7 +53,8 @@ def _clean(name: str) -> str:
 
 
 @torch.no_grad()
-def _fill(target: torch.Tensor, full: torch.Tensor) -> None:
+def fill_from_full(target: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy the full tensor, or this rank's slice of it where ``target`` is a DTensor."""
     if isinstance(target, DTensor):
         piece = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None)
         local_tensor(target).copy_(local_tensor(piece))
@@ -100,7 +104,8 @@ def names_match(model: nn.Module, files: dict[str, str]) -> bool:
     rank 0 (``materialize``) instead of sliced."""
     names: dict[int, list[str]] = {}  # every name of each parameter (tied ones have several)
     for name, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(_clean(name))
+        if not is_adapter(_clean(name)):
+            names.setdefault(id(p), []).append(_clean(name))
     return all(any(n in files for n in found) for found in names.values())
 
 
@@ -122,7 +127,8 @@ def load_slices(parts: list[nn.Module], device: torch.device, files: dict[str, s
                 b.copy_(buffers[name])
     by_object: dict[int, list[str]] = {}
     params = [(_clean(n), p) for part in parts
-              for n, p in part.named_parameters(remove_duplicate=False)]
+              for n, p in part.named_parameters(remove_duplicate=False)
+              if not is_adapter(_clean(n))]
     for name, p in params:
         by_object.setdefault(id(p), []).append(name)
     handles: dict[str, object] = {}
@@ -137,7 +143,7 @@ def load_slices(parts: list[nn.Module], device: torch.device, files: dict[str, s
         if window is not None:
             local_tensor(p).copy_(stored[window])
         else:
-            _fill(p, stored[:].to(p.dtype))
+            fill_from_full(p, stored[:].to(p.dtype))
 
 
 def materialize(parts: list[nn.Module], device: torch.device,
@@ -163,6 +169,6 @@ def materialize(parts: list[nn.Module], device: torch.device,
                   else torch.empty(shape, dtype=dtype, device=device))
         dist.broadcast(tensor, group=group, group_src=0)
         for target in targets.get(key, ()):
-            _fill(target, tensor)
+            fill_from_full(target, tensor)
         del tensor
     torch.set_rng_state(rng)

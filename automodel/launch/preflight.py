@@ -97,6 +97,22 @@ def check_model_layout(cfg: TrainConfig) -> None:
         raise ConfigError(str(err)) from None
 
 
+def check_adapters(cfg: TrainConfig) -> None:
+    """``peft``'s targets on the meta model: patterns that match no linear layer (with the
+    nearest names), a rank wider than a layer, the LM head under the fused loss, a clash with
+    ``model.freeze``."""
+    from automodel.models.builder import build_meta_model
+    from automodel.peft import AdapterError, adapter_targets, uses_adapters
+
+    if not uses_adapters(cfg.peft):
+        return
+    try:
+        adapter_targets(build_meta_model(cfg.model), cfg.peft, str(cfg.trainer.loss),
+                        tuple(cfg.model.freeze))
+    except AdapterError as err:
+        raise ConfigError(str(err)) from None
+
+
 def check_image_inputs(cfg: TrainConfig) -> None:
     """The model must be one automodel builds: a causal LM, or an image-text model (a
     ``vision_config``). An image-text model is built on the meta device, and the image inputs it
@@ -260,6 +276,7 @@ PREFLIGHT_CHECKS = (
     ("runtime support", check_runtime_support),
     ("resume checkpoint", check_resume_checkpoint),
     ("model layout", check_model_layout),
+    ("adapters", check_adapters),
     ("fake step", check_fake_step),
     ("data", prepare_data),
     ("nodes", warn_split_axes),

@@ -35,6 +35,8 @@ from automodel.launch.failure import set_phase
 from automodel.models.builder import build_meta_model, build_model
 from automodel.optim import Optimizers, Schedulers
 from automodel.parallelize import ModelParts, parallelize
+from automodel.peft import add_adapters, init_adapters, uses_adapters
+from automodel.peft.lora import lora_modules
 from automodel.recipes.evaluate import Evaluator
 from automodel.recipes.router_loss import RouterLoss
 
@@ -121,7 +123,13 @@ def _log_run(cfg: TrainConfig, setup: DistributedSetup, model, pipeline, num_sta
              setup.size(MeshAxis.TP), setup.size(MeshAxis.PP), more,
              type(model).__name__, n_params / 1e6, t.max_steps, t.global_batch_size, t.seq_len,
              micro, info.describe(), output_dir)
-    if n_frozen:
+    if uses_adapters(cfg.peft):
+        p = cfg.peft
+        log.info("peft=%s: adapters of rank %d (alpha %g) on %d linear layers; %.3fM of %.2fM "
+                 "parameters train, the base's are frozen (not in the optimizer)", p.method,
+                 p.rank, p.alpha, len(lora_modules(model)), (n_params - n_frozen) / 1e6,
+                 n_params / 1e6)
+    elif n_frozen:
         log.info("model.freeze=%s: %.2fM of %.2fM parameters frozen (not in the optimizer)",
                  list(cfg.model.freeze), n_frozen / 1e6, n_params / 1e6)
 
@@ -148,8 +156,12 @@ def initial_model(cfg: TrainConfig, info: DistInfo, group=None):
     directly."""
     seed = cfg.trainer.seed
     if not dist.is_initialized():
-        return build_model(cfg.model, seed).to(info.device), None
+        model = build_model(cfg.model, seed)
+        _adapt(model, cfg)
+        init_adapters([model], cfg.peft, seed)
+        return model.to(info.device), None
     model = build_meta_model(cfg.model)
+    adapted = _adapt(model, cfg)
     files = (safetensors_files(cfg.model.pretrained_path) if cfg.model.pretrained_path
              else None)
     if files is not None and not names_match(model, files):
@@ -162,10 +174,17 @@ def initial_model(cfg: TrainConfig, info: DistInfo, group=None):
         else:
             materialize(parts, info.device, lambda: full_initial_state(cfg.model, seed),
                         group)
+        if adapted:
+            init_adapters(parts, cfg.peft, seed)
 
     # (parallelism.init_fsdp_with_meta_device: megatron-fsdp fills one module at a time)
     fill.source = ModuleSource(files, lambda: full_initial_state(cfg.model, seed), seed, group)
     return model, fill
+
+
+def _adapt(model: torch.nn.Module, cfg: TrainConfig) -> list[str]:
+    """``peft``'s adapters on ``model`` (checked before launch: refusals here are bugs)."""
+    return add_adapters(model, cfg.peft, str(cfg.trainer.loss), tuple(cfg.model.freeze))
 
 
 def restore(cfg: TrainConfig, parts: Components) -> int:

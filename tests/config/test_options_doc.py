@@ -31,6 +31,7 @@ PREFIXES = {
     s.TrainerConfig: "trainer",
     s.CheckpointConfig: "checkpoint",
     s.LoggerConfig: "logger",  # its one field leads to WandbConfig: logger.wandb.*
+    s.PeftConfig: "peft",
     PlanConfig: "plan",  # (plan.py's node: conf/plan.yaml)
 }
 

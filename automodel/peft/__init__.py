@@ -1,0 +1,59 @@
+"""Parameter-efficient fine-tuning: adapters beside frozen base weights (docs/peft.md)."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from automodel.config import schema as s
+from automodel.config.enums import PeftMethod
+from automodel.models.experts import expert_modules
+from automodel.peft.lora import add_lora, initial_a, is_adapter, lora_modules
+from automodel.peft.targets import AdapterError, adapter_targets
+
+__all__ = ["AdapterError", "adapter_targets", "add_adapters", "init_adapters", "is_adapter",
+           "uses_adapters"]
+
+log = logging.getLogger(__name__)
+
+
+def uses_adapters(peft: s.PeftConfig) -> bool:
+    return peft.method != PeftMethod.none
+
+
+def add_adapters(model: nn.Module, peft: s.PeftConfig, loss: str = "auto",
+                 freeze: tuple = ()) -> list[str]:
+    """Put adapters on the targeted layers of ``model`` (built, on the host or the meta
+    device) and freeze every other parameter. Returns the adapted modules' names."""
+    if not uses_adapters(peft):
+        return []
+    targets = adapter_targets(model, peft, loss, freeze)
+    experts = expert_modules(model)
+    if experts:
+        log.warning("peft: the experts of %d MoE layers take no adapters in this version (their "
+                    "weights are fused 3-D tensors): they stay as they are, while the "
+                    "attention, shared experts and dense layers get adapters", len(experts))
+    for p in model.parameters():
+        p.requires_grad_(False)
+    dtype = getattr(torch, peft.lora_dtype)
+    for name in targets:
+        add_lora(model.get_submodule(name), peft.rank, peft.alpha, peft.dropout, dtype)
+    return targets
+
+
+@torch.no_grad()
+def init_adapters(parts: list[nn.Module], peft: s.PeftConfig, seed: int) -> None:
+    """Fill every adapter of ``parts`` (allocated: after ``to_empty``, sharded or whole) with
+    its first value: A from the module's own seeded draw, B zero. Not collective."""
+    from automodel.compat import unwrapped_name
+    from automodel.distributed.materialize import fill_from_full
+
+    for part in parts:
+        for name, m in lora_modules(part).items():
+            a = initial_a(unwrapped_name(name), peft.rank, m.in_features, seed,
+                          str(peft.init_lora_weights))
+            fill_from_full(m.lora_A.weight, a.to(m.lora_A.weight.dtype))
+            fill_from_full(m.lora_B.weight, torch.zeros(m.lora_B.weight.shape,
+                                                        dtype=m.lora_B.weight.dtype))

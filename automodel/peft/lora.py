@@ -1,0 +1,80 @@
+"""LoRA adapters beside a linear layer's weight, under the layer's own name.
+
+An adapted ``q_proj`` stays the module ``q_proj`` with its ``weight`` (and ``bias``) where
+they were; it gains two children, ``lora_A`` ([rank, in]) and ``lora_B`` ([out, rank]), and
+computes ``x W^T + b + (alpha / rank) * B(A(dropout(x)))``. So every name the rest of
+automodel keys on (tensor-parallel plans, the pipeline split, loading by name, checkpoints
+across layouts) is the base model's, and the adapters' names are the ones peft writes
+(``<module>.lora_A.weight``).
+
+A starts random and B at zero (the adapted model starts as the base). Each adapter's A is
+drawn from a generator seeded by the run's seed and the module's name: the same values in
+every layout, on every rank, whatever the order the modules are built or filled in, and
+without touching the global random state (dropout draws the same numbers as without
+adapters).
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ADAPTER_CHILDREN = ("lora_A", "lora_B")
+
+
+class LoraLinear(nn.Linear):
+    """``nn.Linear`` with LoRA adapters (made by ``add_lora``, never built directly)."""
+
+    lora_A: nn.Linear
+    lora_B: nn.Linear
+    lora_dropout: nn.Module
+    scaling: float
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.weight, self.bias)
+        h = self.lora_dropout(x).to(self.lora_A.weight.dtype)
+        return out + (self.lora_B(self.lora_A(h)) * self.scaling).to(out.dtype)
+
+
+def add_lora(module: nn.Linear, rank: int, alpha: float, dropout: float,
+             dtype: torch.dtype) -> None:
+    """Turn ``module`` (a plain ``nn.Linear``) into a ``LoraLinear`` in place: its weights
+    keep their names and objects; the adapters are allocated where the weight is (the meta
+    device under a sharded build) and filled by ``init_adapters``."""
+    device = module.weight.device
+    module.__class__ = LoraLinear
+    module.lora_A = nn.Linear(module.in_features, rank, bias=False, device=device, dtype=dtype)
+    module.lora_B = nn.Linear(rank, module.out_features, bias=False, device=device,
+                              dtype=dtype)
+    module.lora_dropout = nn.Dropout(dropout) if dropout else nn.Identity()
+    module.scaling = alpha / rank
+
+
+def is_adapter(name: str) -> bool:
+    """A parameter name of an adapter (``...q_proj.lora_A.weight``)."""
+    parts = name.split(".")
+    return len(parts) >= 2 and parts[-2] in ADAPTER_CHILDREN
+
+
+def adapter_seed(seed: int, module_name: str) -> int:
+    return (seed * 1_000_003 + zlib.crc32(module_name.encode())) % (2**63)
+
+
+def initial_a(module_name: str, rank: int, in_features: int, seed: int,
+              init: str) -> torch.Tensor:
+    """A's first value (float32, on the host): kaiming draws it as ``nn.Linear`` draws its
+    weight (uniform within 1/sqrt(in)), gaussian from N(0, 1/rank)."""
+    g = torch.Generator().manual_seed(adapter_seed(seed, module_name))
+    if init == "gaussian":
+        return torch.randn(rank, in_features, generator=g) / rank
+    bound = 1.0 / math.sqrt(in_features)
+    return torch.rand(rank, in_features, generator=g) * (2 * bound) - bound
+
+
+def lora_modules(part: nn.Module) -> dict[str, LoraLinear]:
+    """The adapted modules of a model (or a part of it) by name."""
+    return {name: m for name, m in part.named_modules() if isinstance(m, LoraLinear)}
