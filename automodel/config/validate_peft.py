@@ -58,16 +58,17 @@ def _nothing_set_without_a_method(peft: s.PeftConfig) -> None:
 
 
 def _check_layout(strategy_name: str, mesh: s.MeshConfig, pipeline_chosen: bool) -> None:
-    """The layouts adapters train under in this version: one process, DDP, FSDP2, HSDP."""
-    axes = [f"mesh.{k}={getattr(mesh, k)}" for k in ("tp_size", "cp_size", "ep_size")
+    """The layouts adapters train under in this version: one process, DDP, FSDP2, HSDP, and
+    tensor (and sequence) parallelism with each."""
+    axes = [f"mesh.{k}={getattr(mesh, k)}" for k in ("cp_size", "ep_size")
             if (getattr(mesh, k) or 1) > 1]
     if pipeline_chosen:
         axes.append("pipeline")
     if axes:
-        raise ConfigError(f"peft=lora with {', '.join(axes)}: adapters train under data "
-                          "parallelism in this version (parallelism=none, ddp, fsdp2, hsdp); "
-                          "tensor, context, pipeline and expert parallelism with adapters are "
-                          "not built yet (docs/peft.md)")
+        raise ConfigError(f"peft=lora with {', '.join(axes)}: adapters train under data and "
+                          "tensor parallelism in this version (parallelism=none, ddp, fsdp2, "
+                          "hsdp; mesh.tp_size, sequence parallelism); context, pipeline and "
+                          "expert parallelism with adapters are not built yet (docs/peft.md)")
     if strategy_name == "megatron_fsdp":
         raise ConfigError("peft=lora with parallelism=megatron_fsdp: adapters are not wired "
                           "into Megatron-FSDP's buffers in this version (it runs on CUDA only, "

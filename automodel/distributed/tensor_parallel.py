@@ -40,7 +40,9 @@ from automodel.distributed.tp_extra_styles import (
     ReplicatedWithGradAllReduce,
 )
 from automodel.distributed.tp_heads import localize_head_counts
+from automodel.distributed.tp_lora_styles import lora_style
 from automodel.models.tp_plans import matches
+from automodel.peft.lora import LoraLinear
 
 log = logging.getLogger(__name__)
 
@@ -252,6 +254,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: dict, source: str,
         in_block = any(fqn.startswith(b + ".") for b in block_fqns)
         style = (VocabParallelHead() if fqn == vocab_parallel_head
                  else _style(name, module, sequence_parallel, in_block))
+        if isinstance(module, LoraLinear) and style is not None:
+            style = _with_adapters(fqn, name, style)
         if style is not None:
             styles[fqn] = style
     for fqn in activations_with_weights(model, concrete):  # (on local features: -1)
@@ -261,7 +265,11 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: dict, source: str,
     if sequence_parallel:
         for fqn, style in _sequence_parallel_extras(model, block_fqns, concrete).items():
             styles.setdefault(fqn, style)
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
     parallelize_module(model, tp_mesh, styles)
+    for name, p in model.named_parameters():  # (torch's styles make their new parameters
+        if name in frozen:  # trainable: SequenceParallel would unfreeze a frozen norm)
+            p.requires_grad_(False)
     _retie_embeddings(model)
     localize_head_counts(model, head_split_modules(concrete), tp_mesh.size())
     if async_tp:
@@ -269,6 +277,15 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: dict, source: str,
     log.info("tensor parallel over %d ranks with %s (%d modules%s)", tp_mesh.size(), source,
              len(styles), ", sequence parallel" if sequence_parallel else "")
     return concrete
+
+
+def _with_adapters(fqn: str, name: str, style: ParallelStyle) -> ParallelStyle:
+    twin = lora_style(style)
+    if twin is None:
+        raise ValueError(f"peft: {fqn} carries LoRA adapters, and its tensor-parallel style "
+                         f"{name!r} has no form that places them (column- and row-wise styles "
+                         "do); take it out with peft.exclude_modules")
+    return twin
 
 
 class VocabParallelHead(ColwiseParallel):

@@ -1,7 +1,9 @@
-"""LoRA under data parallelism: losses and the adapters' gradient norms match one process
-(fp32), with gradient accumulation too; the default precision trains close to fp32; and the
-base weights really stay as loaded while the adapters move (read back from the run's
-checkpoint: FSDP2 shards frozen and trainable weights in the same units)."""
+"""LoRA under data and tensor parallelism: losses and the adapters' gradient norms match one
+process (fp32), with gradient accumulation too; the default precision trains close to fp32;
+the base weights really stay as loaded while the adapters move (read back from the run's
+checkpoint: FSDP2 shards frozen and trainable weights in the same units); under TP each
+adapter is placed as its layer's style asks, the replicated ones stay equal on every TP rank,
+and nothing frozen becomes trainable."""
 
 import glob
 
@@ -21,6 +23,9 @@ LORA = ["peft=lora", "peft.rank=4", "peft.alpha=8"]
     ["parallelism=ddp"],
     ["parallelism=fsdp2", FP32, "trainer.local_batch_size=2"],  # (2 micro-batches per step)
     ["parallelism=hsdp", FP32, "trainer.local_batch_size=1"],  # (2 x 2 ranks)
+    ["parallelism=fsdp2", FP32, "mesh.tp_size=2"],
+    ["parallelism=fsdp2", FP32, "mesh.tp_size=2", "parallelism.sequence_parallel=true",
+     "trainer.local_batch_size=4"],
 ])
 def test_lora_matches_one_process(layout, reference, tmp_path):
     records = train(layout + LORA, tmp_path)
@@ -56,3 +61,56 @@ def test_lora_on_an_image_text_model_with_each_frozen_sharding_policy(policy, re
     records = train(["parallelism=fsdp2", FP32, "trainer.local_batch_size=1",
                      f"parallelism.multimodal.frozen_sharding={policy}"] + vlm, tmp_path)
     assert_matches(records, reference(*vlm))
+
+
+def _tp_adapters(rank, world):
+    """Placements, trainable names and the replicated adapters after three steps, TP2+SP."""
+    from torch.distributed.tensor import DTensor
+
+    from tests.distributed.test_placement_effects import parallel_model
+
+    cfg, setup, parallel = parallel_model(rank, world, ["mesh.tp_size=2", "mesh.dp_size=1",
+                                                        "parallelism.sequence_parallel=true",
+                                                        "trainer.loss=plain"] + LORA)
+    model = parallel.parts[0]
+    names = {n.replace("_checkpoint_wrapped_module.", ""): p for n, p in model.named_parameters()}
+    def tp(p):  # the placement on the TP dim (the last of FSDP2 x TP): "R" or "S<dim>"
+        q = p.placements[-1]
+        return "R" if q.is_replicate() else f"S{q.dim}"
+
+    layer = "model.layers.0."
+    placed = {k: tp(names[layer + k]) for k in (
+        "self_attn.q_proj.weight", "self_attn.q_proj.lora_A.weight",
+        "self_attn.q_proj.lora_B.weight", "self_attn.o_proj.weight",
+        "self_attn.o_proj.lora_A.weight", "self_attn.o_proj.lora_B.weight")}
+    trainable = sorted(n for n, p in names.items() if p.requires_grad)
+    with torch.no_grad():  # (B from zero: A's gradient is zero in step 1)
+        for n, p in names.items():
+            if n.endswith("lora_B.weight"):
+                p.add_(0.05)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.01)
+    for step in range(3):
+        torch.manual_seed(step)
+        ids = torch.randint(0, 256, (2, 32))
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad()
+    replicas = {n: p.to_local().detach().clone() for n, p in names.items()
+                if isinstance(p, DTensor) and ".lora_" in n and tp(p) == "R"}
+    return placed, trainable, replicas
+
+
+def test_tp_places_each_adapter_as_its_layer_and_keeps_replicas_equal(tmp_path):
+    from tests.helpers import run_on_ranks
+
+    (placed, trainable, replicas), (_, _, other) = run_on_ranks(_tp_adapters, 2,
+                                                                tmp_path=tmp_path)
+    assert placed == {  # column-wise q_proj: A whole, B split like W; row-wise o_proj: A split
+        "self_attn.q_proj.weight": "S0", "self_attn.q_proj.lora_A.weight": "R",  # like W,
+        "self_attn.q_proj.lora_B.weight": "S0", "self_attn.o_proj.weight": "S1",  # B whole
+        "self_attn.o_proj.lora_A.weight": "S1", "self_attn.o_proj.lora_B.weight": "R"}
+    assert trainable and all(".lora_" in n for n in trainable)  # (SP's norms stay frozen)
+    assert len(replicas) == 4 * (5 + 2)  # A of 5 column-wise layers, B of 2 row-wise, 4 blocks
+    for name, value in replicas.items():  # trained three steps, still the same on both ranks
+        assert value.abs().max() > 0 and torch.equal(value, other[name]), name
