@@ -15,8 +15,8 @@ from automodel.config.validate import check_dtype
 ALL_LINEAR = "all-linear"
 
 
-def check_peft(peft: s.PeftConfig, strategy_name: str, mesh: s.MeshConfig,
-               pipeline_chosen: bool, checkpoint: s.CheckpointConfig) -> s.PeftConfig:
+def check_peft(peft: s.PeftConfig, strategy_name: str,
+               checkpoint: s.CheckpointConfig) -> s.PeftConfig:
     """``peft`` checked; returns it (a copy with the target patterns as a list)."""
     if peft.method == PeftMethod.none:
         _nothing_set_without_a_method(peft)
@@ -43,7 +43,7 @@ def check_peft(peft: s.PeftConfig, strategy_name: str, mesh: s.MeshConfig,
         if ALL_LINEAR in targets and len(targets) > 1:
             raise ConfigError(f"peft.target_modules={targets}: {ALL_LINEAR} stands alone "
                               "(it already takes every linear layer but the LM head)")
-    _check_layout(strategy_name, mesh, pipeline_chosen)
+    _check_layout(strategy_name)
     return dataclasses.replace(peft, target_modules=targets,
                                exclude_modules=list(peft.exclude_modules))
 
@@ -57,18 +57,8 @@ def _nothing_set_without_a_method(peft: s.PeftConfig) -> None:
                           "add peft=lora")
 
 
-def _check_layout(strategy_name: str, mesh: s.MeshConfig, pipeline_chosen: bool) -> None:
-    """The layouts adapters train under in this version: one process, DDP, FSDP2, HSDP, and
-    tensor (and sequence) parallelism with each."""
-    axes = [f"mesh.{k}={getattr(mesh, k)}" for k in ("cp_size", "ep_size")
-            if (getattr(mesh, k) or 1) > 1]
-    if pipeline_chosen:
-        axes.append("pipeline")
-    if axes:
-        raise ConfigError(f"peft=lora with {', '.join(axes)}: adapters train under data and "
-                          "tensor parallelism in this version (parallelism=none, ddp, fsdp2, "
-                          "hsdp; mesh.tp_size, sequence parallelism); context, pipeline and "
-                          "expert parallelism with adapters are not built yet (docs/peft.md)")
+def _check_layout(strategy_name: str) -> None:
+    """Adapters train in every layout but Megatron-FSDP's."""
     if strategy_name == "megatron_fsdp":
         raise ConfigError("peft=lora with parallelism=megatron_fsdp: adapters are not wired "
                           "into Megatron-FSDP's buffers in this version (it runs on CUDA only, "

@@ -273,18 +273,36 @@ def _quiet():
             logger.setLevel(level)
 
 
+# modules whose code holds locks a raise in its midst could leave held (logging's module
+# lock: every later log call of the process would wait for it forever)
+_NO_RAISE_IN = ("logging", "threading", "importlib", "warnings", "queue", "weakref")
+
+
+def _inside_lock_holders(frame) -> bool:
+    while frame is not None:
+        if frame.f_globals.get("__name__", "").split(".")[0] in _NO_RAISE_IN:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _expire(signum, frame):
+    """SIGALRM: end the step, unless the main thread is inside code that holds a lock (then
+    again in 20 ms)."""
+    if _inside_lock_holders(frame):
+        signal.setitimer(signal.ITIMER_REAL, 0.02)
+        return
+    raise _OutOfTime()
+
+
 @contextlib.contextmanager
 def _time_bound(seconds: float):
-    """Raise ``_OutOfTime`` in the main thread after ``seconds`` (SIGALRM); elsewhere, no
-    bound."""
+    """Raise ``_OutOfTime`` in the main thread after ``seconds`` (SIGALRM), at a point outside
+    the standard library's lock-holding code; elsewhere, no bound."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-
-    def expire(signum, frame):
-        raise _OutOfTime()
-
-    previous = signal.signal(signal.SIGALRM, expire)
+    previous = signal.signal(signal.SIGALRM, _expire)
     signal.setitimer(signal.ITIMER_REAL, seconds)
     try:
         yield

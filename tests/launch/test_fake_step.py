@@ -92,6 +92,29 @@ def test_a_step_past_the_time_bound_is_cut_short_with_a_warning(monkeypatch, cap
     assert not dist.is_initialized()
 
 
+def test_the_bound_never_ends_the_step_inside_a_lock_holder(monkeypatch):
+    # a raise inside logging's critical section would leave its module lock held, and every
+    # later log call of the process (a SLURM watcher's thread) would wait for it forever
+    import signal
+    import sys
+
+    frames = {}
+
+    class Probe(logging.Handler):
+        def emit(self, record):
+            frames["in logging"] = sys._getframe()
+
+    logger = logging.getLogger("automodel.tests.probe")
+    logger.addHandler(Probe())
+    logger.warning("probe")
+    rearmed = []
+    monkeypatch.setattr(signal, "setitimer", lambda which, seconds: rearmed.append(seconds))
+    fake_step._expire(signal.SIGALRM, frames["in logging"])  # deferred, not raised
+    assert rearmed == [0.02]
+    with pytest.raises(fake_step._OutOfTime):
+        fake_step._expire(signal.SIGALRM, sys._getframe())
+
+
 def test_the_cut_keeps_each_kind_of_layer():
     # DeepSeek-V3: 3 dense layers, then MoE ones; cut to 2, one of each
     cut, layers = fake_step.cut_down(_cfg("model=deepseek_v3", "mesh.ep_size=2",

@@ -145,8 +145,8 @@ def test_bad_options_are_refused_before_launch():
     assert "peft.rank is set but no adapters are chosen (peft=none): add peft=lora" in \
         _refusal("peft.rank=16")
     assert "peft.lora_dtype" in _refusal("peft=lora", "peft.lora_dtype=float33")
-    assert "mesh.cp_size=2" in _refusal("peft=lora", "mesh.cp_size=2")
-    assert "pipeline" in _refusal("peft=lora", "pipeline=1f1b")
+    assert "peft=lora with parallelism=megatron_fsdp" in _refusal(
+        "peft=lora", "parallelism=megatron_fsdp")
     assert "checkpoint.export_hf=true" in _refusal("peft=lora", "checkpoint.export_hf=true")
     # the model-level checks run in the preflight, on the meta model
     assert "nearest names: q_proj" in _refusal("peft=lora", "peft.target_modules=[q_prj]")
