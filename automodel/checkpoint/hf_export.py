@@ -7,7 +7,9 @@ a process group (DCP reassembles DDP, FSDP2 and TP shards and pipeline stages in
 tensors), builds the model from the saved ``model_config.json`` on the meta device (no
 memory for a second copy), and writes ``save_pretrained`` safetensors plus the config, and the
 tokenizer when the run used one. The result loads with ``AutoModelForCausalLM.from_pretrained``
-and as ``model.pretrained_path``.
+and as ``model.pretrained_path``. A ``peft=lora`` run's checkpoint is written merged
+(``W + (alpha / r) B A``), and its adapter alone in peft's format in ``<output dir>_adapter``
+(``automodel/peft/export.py``).
 """
 
 from __future__ import annotations
@@ -61,6 +63,13 @@ def export_hf(path: str, out: str, tokenizer_path: str | None = None) -> str:
 
     state = load_full_model_state(path)
     config = model_config_of(path)
+    trainer = _trainer_record(path)
+    if trainer.get("peft"):  # (a LoRA run: merged, and the adapter in peft's format beside)
+        from automodel.peft.export import adapter_dir_of, merged, split_state, write_peft_adapter
+
+        base, adapters = split_state(state)
+        write_peft_adapter(adapters, trainer["peft"], adapter_dir_of(out))
+        state = merged(base, adapters, trainer["peft"])
     with torch.device("meta"):
         model = auto_class(config).from_config(config)
     expected = set(model.state_dict())
@@ -75,15 +84,20 @@ def export_hf(path: str, out: str, tokenizer_path: str | None = None) -> str:
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, state_dict=state, safe_serialization=True)
     if tokenizer_path is None:
-        trainer = os.path.join(path, "trainer.json")
-        if os.path.isfile(trainer):
-            with open(trainer) as f:
-                tokenizer_path = json.load(f).get("tokenizer_path")
+        tokenizer_path = trainer.get("tokenizer_path")
     if tokenizer_path:
         AutoTokenizer.from_pretrained(tokenizer_path).save_pretrained(tmp)
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
     return out
+
+
+def _trainer_record(path: str) -> dict:
+    file = os.path.join(path, "trainer.json")
+    if not os.path.isfile(file):
+        return {}
+    with open(file) as f:
+        return json.load(f)
 
 
 def _tied_names(model) -> set[str]:

@@ -15,16 +15,11 @@ from automodel.config.validate import check_dtype
 ALL_LINEAR = "all-linear"
 
 
-def check_peft(peft: s.PeftConfig, strategy_name: str,
-               checkpoint: s.CheckpointConfig) -> s.PeftConfig:
+def check_peft(peft: s.PeftConfig, strategy_name: str) -> s.PeftConfig:
     """``peft`` checked; returns it (a copy with the target patterns as a list)."""
     if peft.method == PeftMethod.none:
         _nothing_set_without_a_method(peft)
         return peft
-    if checkpoint.export_hf:
-        raise ConfigError("checkpoint.export_hf=true with peft=lora: the export of adapters "
-                          "(peft's format, or merged into the weights) is not built yet; "
-                          "the checkpoints hold the weights and the adapters (docs/peft.md)")
     if peft.rank < 1:
         raise ConfigError(f"peft.rank={peft.rank}: the adapters' width must be at least 1 "
                           "(8 to 64 are usual)")

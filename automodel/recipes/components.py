@@ -58,6 +58,7 @@ class Components:
     faults: Faults
     checkpointer: Checkpointer
     model_config: dict  # the model's HF config, saved with every checkpoint
+    adapters: list  # the adapted modules' names (peft; empty without), saved likewise
 
 
 def build_components(cfg: TrainConfig, setup: DistributedSetup, output_dir: str) -> Components:
@@ -69,6 +70,7 @@ def build_components(cfg: TrainConfig, setup: DistributedSetup, output_dir: str)
     n_params = sum(p.numel() for p in model.parameters())
     n_frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
     model_config = model.config.to_dict()
+    adapters = sorted(lora_modules(model))  # (the whole model's, before a pipeline splits it)
     router_loss = RouterLoss.of(model)
     set_phase("parallelize")
     parallel = parallelize(model, setup, fill)
@@ -82,7 +84,7 @@ def build_components(cfg: TrainConfig, setup: DistributedSetup, output_dir: str)
     faults = Faults(info.rank)
     checkpointer = _checkpointer(cfg, info, group, faults, output_dir, n_params, n_frozen)
     return Components(parallel, model, optimizer, scheduler, router_loss, plan, pipeline,
-                      evaluator, faults, checkpointer, model_config)
+                      evaluator, faults, checkpointer, model_config, adapters)
 
 
 def _data(cfg: TrainConfig, setup: DistributedSetup, parallel: ModelParts,

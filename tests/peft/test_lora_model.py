@@ -147,7 +147,6 @@ def test_bad_options_are_refused_before_launch():
     assert "peft.lora_dtype" in _refusal("peft=lora", "peft.lora_dtype=float33")
     assert "peft=lora with parallelism=megatron_fsdp" in _refusal(
         "peft=lora", "parallelism=megatron_fsdp")
-    assert "checkpoint.export_hf=true" in _refusal("peft=lora", "checkpoint.export_hf=true")
     # the model-level checks run in the preflight, on the meta model
     assert "nearest names: q_proj" in _refusal("peft=lora", "peft.target_modules=[q_prj]")
     assert "trainer.loss=plain" in _refusal("peft=lora", "peft.target_modules=[lm_head]")

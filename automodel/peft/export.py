@@ -1,0 +1,74 @@
+"""The adapters of a checkpoint as peft writes them, and merged into the weights.
+
+A checkpoint of a ``peft=lora`` run records its adapters' settings in ``trainer.json``
+(``"peft"``: rank, alpha, the adapted modules, the base model's path). The export then writes
+
+- the merged model: ``W + (alpha / r) B A`` in every adapted layer, a plain Hugging Face
+  model (transformers loads it without peft);
+- the adapter alone, in peft's format: ``adapter_config.json`` and
+  ``adapter_model.safetensors`` with the keys ``base_model.model.<module>.lora_A.weight``;
+  ``peft.PeftModel.from_pretrained(<base model>, <adapter dir>)`` loads it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+from automodel.config import schema as s
+from automodel.peft.lora import ADAPTER_CHILDREN, is_adapter
+
+PEFT_PREFIX = "base_model.model."
+
+
+def adapter_record(peft: s.PeftConfig, modules: list[str], base_path: str | None) -> dict:
+    """What ``trainer.json`` keeps of a run's adapters."""
+    return {"r": peft.rank, "lora_alpha": peft.alpha, "lora_dropout": peft.dropout,
+            "target_modules": sorted(modules), "base_model_name_or_path": base_path}
+
+
+def split_state(state: dict) -> tuple[dict, dict]:
+    """(base weights, adapters) of a full model state."""
+    base = {k: v for k, v in state.items() if not is_adapter(k)}
+    return base, {k: v for k, v in state.items() if is_adapter(k)}
+
+
+def merged(base: dict, adapters: dict, record: dict) -> dict:
+    """The base weights with every adapter's update added (computed in float32, stored in
+    the weight's dtype)."""
+    scale = record["lora_alpha"] / record["r"]
+    out = dict(base)
+    for module in record["target_modules"]:
+        a = adapters[f"{module}.{ADAPTER_CHILDREN[0]}.weight"].float()
+        b = adapters[f"{module}.{ADAPTER_CHILDREN[1]}.weight"].float()
+        w = base[f"{module}.weight"]
+        out[f"{module}.weight"] = (w.float() + scale * (b @ a)).to(w.dtype)
+    return out
+
+
+def write_peft_adapter(adapters: dict, record: dict, out: str) -> str:
+    """``out`` as a peft adapter directory (written whole, then moved into place)."""
+    from safetensors.torch import save_file
+
+    tmp = out.rstrip("/") + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    save_file({PEFT_PREFIX + k: v.contiguous() for k, v in adapters.items()},
+              os.path.join(tmp, "adapter_model.safetensors"), metadata={"format": "pt"})
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": record["r"],
+              "lora_alpha": record["lora_alpha"], "lora_dropout": record["lora_dropout"],
+              "target_modules": record["target_modules"], "bias": "none", "use_dora": False,
+              "use_rslora": False, "fan_in_fan_out": False, "init_lora_weights": True,
+              "modules_to_save": None, "inference_mode": True,
+              "base_model_name_or_path": record["base_model_name_or_path"]}
+    with open(os.path.join(tmp, "adapter_config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    return out
+
+
+def adapter_dir_of(out: str) -> str:
+    """Where the adapter goes beside a merged export at ``out``."""
+    return out.rstrip("/") + "_adapter"
