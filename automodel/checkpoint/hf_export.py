@@ -65,9 +65,16 @@ def export_hf(path: str, out: str, tokenizer_path: str | None = None) -> str:
     config = model_config_of(path)
     trainer = _trainer_record(path)
     if trainer.get("peft"):  # (a LoRA run: merged, and the adapter in peft's format beside)
-        from automodel.peft.export import adapter_dir_of, merged, split_state, write_peft_adapter
+        from automodel.peft.export import (
+            adapter_dir_of,
+            base_state,
+            merged,
+            split_state,
+            write_peft_adapter,
+        )
 
         base, adapters = split_state(state)
+        base = base or base_state(trainer["peft"], config)  # (the base is referenced)
         write_peft_adapter(adapters, trainer["peft"], adapter_dir_of(out))
         state = merged(base, adapters, trainer["peft"])
     with torch.device("meta"):

@@ -38,6 +38,10 @@ from automodel.compat import flatten_state_dict
 from automodel.errors import CheckpointWriteError, describe, no_space, os_error, size
 
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+# a run with adapters (peft): the trainable weights only, the frozen base referenced
+# (``automodel/peft/base_ref.py``); loading leaves the frozen weights as built
+TRAINABLE_ONLY = StateDictOptions(flatten_optimizer_state_dict=True, ignore_frozen_params=True,
+                                  strict=False)
 log = logging.getLogger(__name__)
 
 
@@ -46,8 +50,8 @@ def _barrier(group):
         dist.barrier(group=group)
 
 
-def _part_states(parts, optimizers) -> list[tuple[dict, dict]]:
-    return [get_state_dict(part, opt, options=OPTIONS)
+def _part_states(parts, optimizers, options=OPTIONS) -> list[tuple[dict, dict]]:
+    return [get_state_dict(part, opt, options=options)
             for part, opt in zip(parts, optimizers.optimizers)]
 
 
@@ -108,8 +112,9 @@ class Checkpointer:
     which every collective of a save or a load runs; its rank 0 writes the shared files."""
 
     def __init__(self, root: str, keep_last: int | None, rank: int, faults=None,
-                 size_estimate: int = 0, group=None):
+                 size_estimate: int = 0, group=None, trainable_only: bool = False):
         self.root = root
+        self.options = TRAINABLE_ONLY if trainable_only else OPTIONS
         self.keep_last = keep_last
         self.rank = rank
         self.group = group
@@ -169,7 +174,7 @@ class Checkpointer:
                     shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
             os.makedirs(tmp)
         _barrier(self.group)
-        state = _merged(_part_states(parts, optimizers))
+        state = _merged(_part_states(parts, optimizers, self.options))
         self.size_estimate = max(self.size_estimate, _state_bytes(state) * _ranks(self.group))
         with _quiet_single_process():  # (the size: for a failure message)
             dcp.save(state, checkpoint_id=tmp, no_dist=not dist.is_initialized(),
@@ -209,7 +214,7 @@ class Checkpointer:
         """Restore everything saved at ``path`` (any layout); returns the step it was saved
         after. Raises CheckpointError, naming the path and keys, before changing anything."""
         meta = check_files(path)
-        states = _part_states(parts, optimizers)
+        states = _part_states(parts, optimizers, self.options)
         state = _merged(states)
         flat, _ = flatten_state_dict(state)
         model_keys = set().union(*_gather({k for k in flat if k.startswith("model.")},
@@ -227,7 +232,8 @@ class Checkpointer:
                      process_group=self.group)
         for (m, o), part, opt in zip(states, parts, optimizers.optimizers):
             set_state_dict(part, opt, model_state_dict={k: state["model"][k] for k in m},
-                           optim_state_dict={k: state["optim"][k] for k in o}, options=OPTIONS)
+                           optim_state_dict={k: state["optim"][k] for k in o},
+                           options=self.options)
         with open(os.path.join(path, "trainer.json")) as f:
             trainer = json.load(f)
         self.loaded_meta = trainer

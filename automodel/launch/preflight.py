@@ -253,6 +253,9 @@ def check_resume_checkpoint(cfg: TrainConfig) -> None:
         check_files(path)
     except CheckpointError as err:
         raise ConfigError(f"{key}: {err}") from None
+    from automodel.peft.resume import check_resumed_adapters
+
+    check_resumed_adapters(cfg, path, key)
 
 
 # What a resolved config must pass before anything starts, in order: what the machine can run,

@@ -17,15 +17,35 @@ import os
 import shutil
 
 from automodel.config import schema as s
+from automodel.peft.base_ref import base_reference
 from automodel.peft.lora import ADAPTER_CHILDREN, is_adapter
 
 PEFT_PREFIX = "base_model.model."
 
 
-def adapter_record(peft: s.PeftConfig, modules: list[str], base_path: str | None) -> dict:
-    """What ``trainer.json`` keeps of a run's adapters."""
+def adapter_record(peft: s.PeftConfig, modules: list[str], model: s.ModelConfig,
+                   seed: int) -> dict:
+    """What ``trainer.json`` keeps of a run's adapters, and of its base
+    (``base_ref.base_reference``: the checkpoint does not hold the base)."""
     return {"r": peft.rank, "lora_alpha": peft.alpha, "lora_dropout": peft.dropout,
-            "target_modules": sorted(modules), "base_model_name_or_path": base_path}
+            "target_modules": sorted(modules), "base_model_name_or_path": model.pretrained_path,
+            "base": base_reference(model, seed)}
+
+
+def base_state(record: dict, config) -> dict:
+    """The frozen base's weights a checkpoint references, on the host: read from its
+    directory, or built from its config and seed."""
+    from automodel.models.builder import build_model
+    from automodel.models.multimodal import auto_class
+
+    base = record["base"]
+    if "pretrained_path" in base:
+        import torch
+
+        model = auto_class(config).from_pretrained(base["pretrained_path"], dtype=torch.float32)
+        return model.state_dict()
+    return build_model(s.ModelConfig(config=base["config"], dtype=base["dtype"]),
+                       base["seed"]).state_dict()
 
 
 def split_state(state: dict) -> tuple[dict, dict]:

@@ -36,6 +36,7 @@ from automodel.models.builder import build_meta_model, build_model
 from automodel.optim import Optimizers, Schedulers
 from automodel.parallelize import ModelParts, parallelize
 from automodel.peft import add_adapters, init_adapters, uses_adapters
+from automodel.peft.export import adapter_record
 from automodel.peft.lora import lora_modules
 from automodel.recipes.evaluate import Evaluator
 from automodel.recipes.router_loss import RouterLoss
@@ -58,7 +59,7 @@ class Components:
     faults: Faults
     checkpointer: Checkpointer
     model_config: dict  # the model's HF config, saved with every checkpoint
-    adapters: list  # the adapted modules' names (peft; empty without), saved likewise
+    adapters: dict | None  # the adapters and their base (peft; trainer.json of checkpoints)
 
 
 def build_components(cfg: TrainConfig, setup: DistributedSetup, output_dir: str) -> Components:
@@ -70,7 +71,9 @@ def build_components(cfg: TrainConfig, setup: DistributedSetup, output_dir: str)
     n_params = sum(p.numel() for p in model.parameters())
     n_frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
     model_config = model.config.to_dict()
-    adapters = sorted(lora_modules(model))  # (the whole model's, before a pipeline splits it)
+    adapted = sorted(lora_modules(model))  # (the whole model's, before a pipeline splits it)
+    adapters = (adapter_record(cfg.peft, adapted, cfg.model, cfg.trainer.seed) if adapted
+                else None)
     router_loss = RouterLoss.of(model)
     set_phase("parallelize")
     parallel = parallelize(model, setup, fill)
@@ -139,11 +142,13 @@ def _log_run(cfg: TrainConfig, setup: DistributedSetup, model, pipeline, num_sta
 def _checkpointer(cfg: TrainConfig, info: DistInfo, group, faults: Faults, output_dir: str,
                   n_params: int, n_frozen: int) -> Checkpointer:
     """The run's checkpointer; rank 0 warns when the disk cannot hold the checkpoints."""
-    per_checkpoint = checkpoint_bytes(n_params, n_params - n_frozen,
+    adapters = uses_adapters(cfg.peft)  # (then the frozen base is referenced, not saved)
+    per_checkpoint = checkpoint_bytes(n_params - n_frozen if adapters else n_params,
+                                      n_params - n_frozen,
                                       torch.finfo(getattr(torch, cfg.model.dtype)).bits // 8)
     checkpointer = Checkpointer(checkpoint_root(cfg.checkpoint.dir, output_dir),
                                 cfg.checkpoint.keep_last, info.rank, faults, per_checkpoint,
-                                group)
+                                group, trainable_only=adapters)
     if info.is_main:
         warn_if_short_of_space(checkpointer.root, per_checkpoint, cfg.checkpoint,
                                cfg.trainer.max_steps)

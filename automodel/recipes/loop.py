@@ -21,7 +21,6 @@ from automodel.distributed.init import DistInfo, set_collective_timeout
 from automodel.distributed.setup import DistributedSetup
 from automodel.launch.failure import set_phase
 from automodel.launch.signals import StopSignal
-from automodel.peft.export import adapter_record
 from automodel.recipes.components import Components
 from automodel.recipes.step import train_step
 from automodel.recipes.step_log import StepLog
@@ -63,7 +62,7 @@ class Run:
         cfg, parts, info = self.cfg, self.parts, self.info
         extra = {"tokenizer_path": getattr(cfg.data, "tokenizer_path", None)}
         if parts.adapters:  # (what the export needs to merge them, or write them for peft)
-            extra["peft"] = adapter_record(cfg.peft, parts.adapters, cfg.model.pretrained_path)
+            extra["peft"] = parts.adapters
         if self.steplog.tracker is not None:  # (a resumed run continues this W&B run)
             extra["wandb_run_id"] = self.steplog.tracker.run.id
         with startup_timeout(info, self.group):  # rank 0 exports and prunes alone

@@ -34,7 +34,10 @@ def _trained(run: list, step_dir: str):
     cfg = load_config(run)
     model = build_model(cfg.model, seed=0)
     add_adapters(model, cfg.peft, str(cfg.trainer.loss))
-    model.load_state_dict(load_full_model_state(step_dir))
+    state = load_full_model_state(step_dir)
+    assert state and all(".lora_" in k for k in state)  # (the base is referenced, not saved)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and not any(".lora_" in k for k in missing)
     return model.eval()
 
 
