@@ -29,6 +29,13 @@ LORA = ["peft=lora", "peft.rank=4", "peft.alpha=8"]
     ["parallelism=fsdp2", FP32, "mesh.tp_size=2", "parallelism.sequence_parallel=true",
      "trainer.local_batch_size=4"],
     ["parallelism=fsdp2", FP32, "mesh.cp_size=2"],
+    # activation checkpointing (non-reentrant: the adapters' gradients survive the recompute),
+    # full with accumulation, selective, and full under compile
+    ["parallelism=fsdp2", FP32, "parallelism.activation_checkpointing=true",
+     "trainer.local_batch_size=2"],
+    ["parallelism=fsdp2", FP32, "parallelism.activation_checkpointing=selective"],
+    ["parallelism=fsdp2", FP32, "parallelism.activation_checkpointing=true",
+     "parallelism.enable_compile=true"],
     # several stages per rank; the backward split in input and weight gradients (frozen
     # weights take none); stages passing sequence shards under TP+SP
     ["parallelism=fsdp2", FP32, "pipeline=interleaved", "pipeline.pp_microbatch_size=2"],
