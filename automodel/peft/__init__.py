@@ -13,8 +13,8 @@ from automodel.models.experts import expert_modules
 from automodel.peft.lora import add_lora, initial_a, is_adapter, lora_modules
 from automodel.peft.targets import AdapterError, adapter_targets
 
-__all__ = ["AdapterError", "adapter_targets", "add_adapters", "init_adapters", "is_adapter",
-           "uses_adapters"]
+__all__ = ["AdapterError", "adapted_meta_model", "adapter_targets", "add_adapters",
+           "init_adapters", "is_adapter", "uses_adapters"]
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +41,17 @@ def add_adapters(model: nn.Module, peft: s.PeftConfig, loss: str = "auto",
     for name in targets:
         add_lora(model.get_submodule(name), peft.rank, peft.alpha, peft.dropout, dtype)
     return targets
+
+
+def adapted_meta_model(cfg) -> nn.Module:
+    """The run's model on the meta device with its adapters (``cfg``: a ``TrainConfig``): what
+    the planner and the preflight's fake step simulate (frozen base weights take no gradient
+    and no optimizer state there either)."""
+    from automodel.models.builder import build_meta_model
+
+    model = build_meta_model(cfg.model)
+    add_adapters(model, cfg.peft, str(cfg.trainer.loss), tuple(cfg.model.freeze))
+    return model
 
 
 @torch.no_grad()

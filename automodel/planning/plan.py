@@ -259,9 +259,9 @@ def layout_dict(cfg: TrainConfig) -> dict:
 
 
 def model_summary(cfg: TrainConfig) -> dict:
-    from automodel.models.builder import build_meta_model
+    from automodel.peft import adapted_meta_model
 
-    model = build_meta_model(cfg.model)
+    model = adapted_meta_model(cfg)
     params = {id(p): p for p in model.parameters()}.values()
     return {"name": cfg.choices.get("model", type(model).__name__),
             "class": type(model).__name__,

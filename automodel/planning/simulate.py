@@ -157,16 +157,16 @@ class _Job:
 
 
 def _build(cfg: TrainConfig, setup) -> _Job:
-    from automodel.models.builder import build_meta_model
     from automodel.models.experts import expert_modules
     from automodel.optim import Optimizers
     from automodel.parallelize import parallelize
+    from automodel.peft import adapted_meta_model
     from automodel.planning.moe import balanced_routing
     from automodel.planning.strategies import planning_strategy
     from automodel.recipes.router_loss import RouterLoss
     from automodel.recipes.step import train_step
 
-    model = build_meta_model(cfg.model)
+    model = adapted_meta_model(cfg)  # (peft: the adapters too; the base frozen)
     experts = list(expert_modules(model).values())  # (found by name before wrapping)
     router_loss = RouterLoss.of(model)
     setup.strategy = planning_strategy(setup.strategy)  # (DDP: a stand-in; refusals)

@@ -1,0 +1,38 @@
+"""The planner plans adapters (``peft=lora``): the simulated step has the adapters, the frozen
+base takes no gradient and no optimizer state, FSDP2 reduce-scatters the adapters' gradients
+only, and the backward skips the frozen weights' gradient matmuls."""
+
+import pytest
+
+from automodel.api import load_config
+from automodel.planning.gpus import profile
+from automodel.planning.plan import make_plan
+
+
+def _plan(*extra):
+    cfg = load_config(["parallelism=fsdp2", "mesh.dp_size=2", "data=synthetic", *extra])
+    return make_plan(cfg, profile("h100_80gb"), workers=1)
+
+
+def test_a_lora_plan_has_the_adapters_states_and_gradients_only():
+    full, lora = _plan(), _plan("peft=lora")
+    adapters = lora["model"]["trainable_parameters"]
+    # llama_tiny, rank 8: q, o (64 -> 64), k, v (64 -> 32), gate, up, down (64 <-> 176), 4 blocks
+    assert adapters == 4 * 8 * (2 * (64 + 64) + 2 * (64 + 32) + 3 * (64 + 176))
+    assert lora["model"]["parameters"] == full["model"]["parameters"] + adapters
+    (rank,), (rank_full,) = lora["ranks"], full["ranks"]
+    per_rank = adapters // 2 * 4  # float32, sharded over dp 2
+    # AdamW's two states of the adapters' shard, and its step counts (0-dim)
+    assert 2 * per_rank <= rank["memory"]["optimizer_states"] < 2 * per_rank + 1024
+    assert rank_full["memory"]["optimizer_states"] > 5 * rank["memory"]["optimizer_states"]
+    rs = lambda p: p["comm_bytes_per_step"]["dp_shard"]["reduce_scatter"]  # noqa: E731
+    assert rs(lora) == adapters * 4 and rs(full) == full["model"]["parameters"] * 4
+    assert lora["flops_per_step"] < full["flops_per_step"]  # (no weight gradients of the base)
+
+
+@pytest.mark.parametrize("layout", [["mesh.tp_size=2", "parallelism.sequence_parallel=true"],
+                                    ["pipeline=1f1b", "pipeline.pp_microbatch_size=2"]])
+def test_lora_layouts_plan(layout):
+    plan = _plan("peft=lora", *layout)
+    assert all(r["fits"] for r in plan["ranks"])
+    assert "peft=lora" in plan["command"]
