@@ -83,6 +83,11 @@ class ResolvedParallelism:
     offload_policy: Optional[PolicySpec] = None
 
 
+MEGATRON_ADAPTERS = ("adapters are not wired into Megatron-FSDP's buffers in this version (it "
+                     "runs on CUDA only, and cannot be tested here); train adapters with "
+                     "parallelism=fsdp2 (or hsdp)")
+
+
 @dataclass(frozen=True)
 class Strategy:
     """One ``parallelism=<name>``.
@@ -110,6 +115,7 @@ class Strategy:
     rank's shards are allocated, after it: FSDP2), ``tensor_parallel`` (its options carry
     ``tp_plan`` and ``sequence_parallel``; mesh.tp_size is checked against the model),
     ``plain_loss_reason`` (why the LM head cannot join the loss; None: it can),
+    ``adapters_refusal`` (why ``peft`` adapters cannot train under it; None: they can),
     ``reducer_walks_outputs`` (DDP: its ``find_unused_parameters`` looks for used parameters
     in the outputs).
     """
@@ -129,6 +135,7 @@ class Strategy:
     materialize_after_wrap: bool = False
     tensor_parallel: bool = False
     plain_loss_reason: Optional[str] = None
+    adapters_refusal: Optional[str] = None
     reducer_walks_outputs: bool = False
 
     def __post_init__(self):
@@ -188,7 +195,8 @@ SHIPPED = (
              wrap_optimizer=_MEGATRON + "apply_megatron_fsdp",
              materialize="automodel.distributed.megatron_meta_init.materialize_part",
              ac_blocks=_MEGATRON + "checkpointed_mlps", refusal=_MEGATRON + "refusal_for",
-             tensor_parallel=True, plain_loss_reason=v.MEGATRON_PLAIN_LOSS),
+             tensor_parallel=True, plain_loss_reason=v.MEGATRON_PLAIN_LOSS,
+             adapters_refusal=MEGATRON_ADAPTERS),
 )
 for _entry in SHIPPED:
     STRATEGIES.register(_entry)

@@ -15,8 +15,10 @@ from automodel.config.validate import check_dtype
 ALL_LINEAR = "all-linear"
 
 
-def check_peft(peft: s.PeftConfig, strategy_name: str) -> s.PeftConfig:
-    """``peft`` checked; returns it (a copy with the target patterns as a list)."""
+def check_peft(peft: s.PeftConfig, strategy) -> s.PeftConfig:
+    """``peft`` checked against its values and ``strategy`` (the chosen
+    ``config.strategies.Strategy``: its ``adapters_refusal``); returns a copy with the target
+    patterns as lists."""
     if peft.method == PeftMethod.none:
         _nothing_set_without_a_method(peft)
         return peft
@@ -38,7 +40,9 @@ def check_peft(peft: s.PeftConfig, strategy_name: str) -> s.PeftConfig:
         if ALL_LINEAR in targets and len(targets) > 1:
             raise ConfigError(f"peft.target_modules={targets}: {ALL_LINEAR} stands alone "
                               "(it already takes every linear layer but the LM head)")
-    _check_layout(strategy_name)
+    if strategy.adapters_refusal is not None:
+        raise ConfigError(f"peft=lora with parallelism={strategy.name}: "
+                          f"{strategy.adapters_refusal}")
     return dataclasses.replace(peft, target_modules=targets,
                                exclude_modules=list(peft.exclude_modules))
 
@@ -50,12 +54,3 @@ def _nothing_set_without_a_method(peft: s.PeftConfig) -> None:
     if changed:
         raise ConfigError(f"peft.{changed[0]} is set but no adapters are chosen (peft=none): "
                           "add peft=lora")
-
-
-def _check_layout(strategy_name: str) -> None:
-    """Adapters train in every layout but Megatron-FSDP's."""
-    if strategy_name == "megatron_fsdp":
-        raise ConfigError("peft=lora with parallelism=megatron_fsdp: adapters are not wired "
-                          "into Megatron-FSDP's buffers in this version (it runs on CUDA only, "
-                          "and cannot be tested here); train adapters with parallelism=fsdp2 "
-                          "(or hsdp)")
