@@ -53,7 +53,8 @@ LAYOUTS = {
     "llama3_1_8b_instruct_tp8_pp2": r"fsdp2 on 4 rank\(s\) \(dp=1, cp=1, tp=2, pp=2\)",
     "qwen3_30b_a3b_ep8": r"fsdp2 on 4 rank\(s\) \(dp=4, cp=1, tp=1, pp=1; ep=2\)",
     "llama3_1_70b_instruct": r"fsdp2 on 4 rank\(s\) \(dp=1, cp=1, tp=2, pp=2\).*"
-                             r"4 pipeline stages"}
+                             r"4 pipeline stages",
+    "llama3_1_70b_instruct_lora": r"fsdp2 on 4 rank\(s\) \(dp=4, cp=1, tp=1, pp=1\)"}
 MODELS = {"LLAMA_8B_INSTRUCT": "llama", "LLAMA_70B_INSTRUCT": "llama",
           "QWEN3_30B_A3B": "qwen3_moe"}
 
@@ -192,6 +193,9 @@ def test_recipe_runs_in_miniature_on_two_nodes(script, recipe_jobs):
     assert saved == ["step_00000002", "step_00000003"]  # keep_last=2 of 1, 2 and 3
     hf = ckpts / "step_00000003" / "hf"
     assert (hf / "config.json").exists() and list(hf.glob("*.safetensors")), hf
+    if "peft=lora" in text:  # the adapters: in the log, and exported for peft beside the merge
+        assert "peft=lora: adapters of rank 16" in train_log
+        assert (ckpts / "step_00000003" / "hf_adapter" / "adapter_model.safetensors").exists()
     assert list(wandb_dir.rglob("offline-run-*")), "no offline W&B run"
 
 
