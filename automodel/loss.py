@@ -100,6 +100,9 @@ class LinearCrossEntropy(torch.autograd.Function):
 def linear_cross_entropy(hidden, weight, bias, labels, chunk: int, vocab_start: int = 0,
                          group=None) -> torch.Tensor:
     """``LinearCrossEntropy`` over ``hidden`` [..., H] and ``labels`` [...]."""
+    # hidden states in another dtype than the head's weight (Falcon-Mamba keeps its residual
+    # stream in float32 under bfloat16 weights): cast as the models' own heads do
+    hidden = hidden.to(weight.dtype)
     want_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (hidden, weight, bias))
     return LinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, bias,

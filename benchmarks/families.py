@@ -14,6 +14,9 @@ bfloat16 tolerance (rtol 2e-2 in the loss, 1e-1 in the gradient norm). A row say
   ``optim.eps=1e-4``: AdamW divides each gradient element by its own size (plus ``eps``), so
   an element near zero moves by up to the learning rate on float32 rounding alone (the order
   in which a layout sums); a larger ``eps`` damps those elements, not a wrong gradient's;
+- ``drifts: ...`` (``bf16`` only): the first step is within bfloat16's tolerance (the
+  losses, and the gradient norm to 2e-2), later gradient norms are not: the two precisions'
+  trajectories part (a run near an instability at this learning rate), not a wrong step;
 - ``FAILS: ...``: it launched and crashed, or trained and did not match.
 
 Families that cannot be built tiny from their default config (another kind of model, a
@@ -51,7 +54,7 @@ LAYOUTS = {
 }
 LOSS_RTOL, GRAD_RTOL = 1e-5, 1e-4
 # the default precision against the float32 process (as tests/distributed/test_parity.py)
-BF16_LOSS_RTOL, BF16_GRAD_RTOL = 2e-2, 1e-1
+BF16_LOSS_RTOL, BF16_GRAD_RTOL, BF16_FIRST_GRAD_RTOL = 2e-2, 1e-1, 2e-2
 
 # size keys (or their attribute_map aliases) a tiny model takes, where the family has them
 TINY = {
@@ -141,6 +144,10 @@ def _compare(records, ref, loss_rtol=LOSS_RTOL, grad_rtol=GRAD_RTOL) -> str:
     dg = max(abs(a - b) / abs(b) for a, b in norms)
     if dl <= loss_rtol and dg <= grad_rtol:
         return f"works ({dl:.0e} / {dg:.0e})"
+    first = abs(norms[0][0] - norms[0][1]) / abs(norms[0][1])
+    if loss_rtol == BF16_LOSS_RTOL and dl <= loss_rtol and first <= BF16_FIRST_GRAD_RTOL:
+        return (f"drifts: step 1 within bfloat16's tolerance ({first:.0e} in the grad norm), "
+                f"later grad norms off by up to {dg:.1e} (losses within {dl:.0e})")
     return f"FAILS: off by {dl:.1e} in loss, {dg:.1e} in grad norm"
 
 
@@ -247,7 +254,7 @@ def main() -> None:
             Path(args.markdown).write_text(markdown(rows, layouts))
     print(markdown(rows, layouts))
     counts = {k: sum(1 for r in rows for name in layouts if r.get(name, "").startswith(k))
-              for k in ("works", "rounding", "refused", "FAILS")}
+              for k in ("works", "rounding", "drifts", "refused", "FAILS")}
     print(f"{len(rows)} families; runs: {counts}")
 
 

@@ -38,6 +38,21 @@ def test_chunked_head_and_loss_equal_the_plain_loss(bias):
                                                         chunk=7), plain, rtol=1e-6, atol=0)
 
 
+@pytest.mark.fast
+def test_hidden_states_in_another_dtype_than_the_head_are_cast_to_its_dtype():
+    # (Falcon-Mamba's float32 residual stream under bfloat16 weights: the head of the model
+    # casts the hidden states to its weight's dtype; the fused loss does the same)
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 101, bias=False).to(torch.bfloat16)
+    hidden = torch.randn(2, 9, 16, requires_grad=True)  # float32
+    labels = torch.randint(0, 101, (2, 9))
+    fused = linear_cross_entropy(hidden, head.weight, None, labels, chunk=4)
+    fused.backward()
+    plain = summed_cross_entropy(head(hidden.detach().to(torch.bfloat16)), labels)
+    torch.testing.assert_close(fused, plain, rtol=1e-2, atol=0)
+    assert hidden.grad.dtype == torch.float32 and hidden.grad.abs().max() > 0
+
+
 # (the tiny presets: the real-size ones, llama3_1_8b ... deepseek_v3, are never built with
 # weights in a test)
 PRESETS = sorted(p.stem for p in (Path(__file__).resolve().parents[2] / "conf" / "model").glob(
