@@ -65,6 +65,7 @@ class Run:
             extra["peft"] = parts.adapters
         if self.steplog.tracker is not None:  # (a resumed run continues this W&B run)
             extra["wandb_run_id"] = self.steplog.tracker.run.id
+        start = time.monotonic()
         with startup_timeout(info, self.group):  # rank 0 exports and prunes alone
             set_phase(f"checkpoint save (step {step_number}, "
                       f"{parts.checkpointer.path(step_number)})")
@@ -72,7 +73,7 @@ class Run:
                                            parts.scheduler, parts.model_config, extra,
                                            export_hf=cfg.checkpoint.export_hf)
         self.saved_step = step_number
-        log.info("checkpoint saved: %s", path)
+        log.info("checkpoint saved: %s (%.2f s)", path, time.monotonic() - start)
 
 
 def start_run(cfg: TrainConfig, setup: DistributedSetup, parts: Components, output_dir: str,
