@@ -62,6 +62,11 @@ LAYOUTS = {
     "cpu_offload": [*FSDP2_DP2, "parallelism.offload_policy={_target_:"
                     "torch.distributed.fsdp.CPUOffloadPolicy}"],
     "image_text_frozen": ["model=llava_tiny", *FSDP2_DP2, "model.freeze=[vision]"],
+    # LoRA adapters: a frozen base (no gradients, no optimizer states) in three layouts
+    "lora_fsdp2": [*FSDP2_DP2, "peft=lora"],
+    "lora_tp2_sp": ["parallelism=fsdp2", "mesh.dp_size=1", "mesh.tp_size=2",
+                    "parallelism.sequence_parallel=true", "peft=lora"],
+    "lora_pp_1f1b": [*PP2, "pipeline=1f1b", "peft=lora"],
 }
 
 
