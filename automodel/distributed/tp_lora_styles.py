@@ -45,33 +45,33 @@ def _reduced_grad(grad):
     return grad
 
 
-def _reduce_grads_of(adapter: nn.Module) -> None:
-    adapter.weight.register_hook(_reduced_grad)
+class _AdapterPlacement:
+    """Mixed into torch's styles: ``TABLE`` splits the layer and its adapters, and the
+    adapter ``WHOLE`` (replicated) gets its partial gradient summed as it arrives."""
 
-
-class LoraColwise(ColwiseParallel):
-    """``ColwiseParallel`` for a ``LoraLinear``: A replicated, B split like the weight."""
+    TABLE: dict
+    WHOLE: str
 
     def _partition_linear_fn(self, name, module, device_mesh):
-        _partition(self, _COLWISE, name, module, device_mesh)
+        _partition(self, self.TABLE, name, module, device_mesh)
 
     def _apply(self, module, device_mesh):
         module = super()._apply(module, device_mesh)
-        _reduce_grads_of(module.lora_A)
+        getattr(module, self.WHOLE).weight.register_hook(_reduced_grad)
         return module
 
 
-class LoraRowwise(RowwiseParallel):
+class LoraColwise(_AdapterPlacement, ColwiseParallel):
+    """``ColwiseParallel`` for a ``LoraLinear``: A replicated, B split like the weight."""
+
+    TABLE, WHOLE = _COLWISE, "lora_A"
+
+
+class LoraRowwise(_AdapterPlacement, RowwiseParallel):
     """``RowwiseParallel`` for a ``LoraLinear``: A split like the weight, B replicated (the
     bias, added once after the reduction, replicated as torch's style has it)."""
 
-    def _partition_linear_fn(self, name, module, device_mesh):
-        _partition(self, _ROWWISE, name, module, device_mesh)
-
-    def _apply(self, module, device_mesh):
-        module = super()._apply(module, device_mesh)
-        _reduce_grads_of(module.lora_B)
-        return module
+    TABLE, WHOLE = _ROWWISE, "lora_B"
 
 
 def lora_style(torch_style):
