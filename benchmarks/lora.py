@@ -1,5 +1,5 @@
-"""LoRA against full fine-tuning of the same model, in one run each on CPU: peak tensor bytes per
-rank, step time, and the checkpoint's size and save time.
+"""LoRA against full fine-tuning, and QLoRA against LoRA, of the same model, in one run each on
+CPU: peak tensor bytes per rank, step time, and the checkpoint's size and save time.
 
 Both train a Llama-style model built from config (``--hidden`` wide, ``--layers`` deep, fp32)
 under FSDP2 on ``--ranks`` ranks, the same batches, ``--steps`` steps with a checkpoint at the
@@ -14,7 +14,11 @@ Expected, with ``P`` the model's parameters and ``A`` the adapters' (fp32, AdamW
 full fine-tuning holds ``4P/r`` of weights, ``4P/r`` of gradients and ``8P/r`` of AdamW states
 per rank; LoRA ``4(P+A)/r`` of weights and ``12A/r`` of gradients and states, and its backward
 skips the frozen weights' gradient matmuls (a third of the matmul work). Its checkpoint holds
-``12A`` bytes against ``12P`` (weights and two moments).
+``12A`` bytes against ``12P`` (weights and two moments). QLoRA stores the adapted layers'
+weights (``Q`` of the ``P``) in NF4, about ``0.52Q`` bytes (half a byte a value, plus a scale
+of one byte per 64 values and a float per 16,384) against ``4Q``, and dequantizes each weight
+on every use (forward, backward, and the recompute under activation checkpointing): a
+layer's full-precision copy lives while it computes.
 
     python benchmarks/lora.py                       # ~2 minutes on 2 cores
     python benchmarks/lora.py --hidden 1024 --layers 8 --json lora.json
@@ -78,22 +82,25 @@ def main() -> None:
               f"trainer.seq_len={args.seq}", f"trainer.global_batch_size={args.batch}",
               "trainer.track_tensor_memory=true", f"checkpoint.every_steps={args.steps}",
               "distributed.backend=gloo"] + model
-    runs = {"full": [], "lora": ["peft=lora", f"peft.rank={args.rank}",
-                                 f"peft.alpha={2 * args.rank}"]}
+    adapters = [f"peft.rank={args.rank}", f"peft.alpha={2 * args.rank}"]
+    runs = {"full": [], "lora": ["peft=lora"] + adapters, "qlora": ["peft=qlora"] + adapters}
     tokens = args.seq * args.batch
     with tempfile.TemporaryDirectory(prefix="lora-bench-") as tmp:
         rows = {name: _summary(_run(common + extra, Path(tmp)), args.warmup, tokens)
                 for name, extra in runs.items()}
-    full, lora = rows["full"], rows["lora"]
+    full, lora, qlora = rows["full"], rows["lora"], rows["qlora"]
     print(f"model: hidden {h}, {args.layers} layers; FSDP2 over {args.ranks} ranks (fp32); "
-          f"{args.batch} x {args.seq} tokens a step; LoRA rank {args.rank}")
+          f"{args.batch} x {args.seq} tokens a step; adapters of rank {args.rank}; QLoRA: "
+          "NF4 blocks of 64, scale groups of 256 blocks")
     print(f"{'':10} {'peak/rank':>12} {'step s':>8} {'checkpoint':>12} {'save s':>8}")
     for name, r in rows.items():
         print(f"{name:10} {r['peak_bytes'] / 2**20:>9.1f} MiB {r['step_s']:>8.3f} "
               f"{r['checkpoint_bytes'] / 2**20:>9.1f} MiB {r['save_s']:>8.2f}")
-    ratios = {k: lora[k] / full[k] for k in ("peak_bytes", "step_s", "checkpoint_bytes",
-                                              "save_s")}
-    print("LoRA / full: " + ", ".join(f"{k} {v:.3f}" for k, v in ratios.items()))
+    keys = ("peak_bytes", "step_s", "checkpoint_bytes", "save_s")
+    ratios = {"lora/full": {k: lora[k] / full[k] for k in keys},
+              "qlora/lora": {k: qlora[k] / lora[k] for k in keys}}
+    for name, r in ratios.items():
+        print(f"{name}: " + ", ".join(f"{k} {v:.3f}" for k, v in r.items()))
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows,
                                                "ratios": ratios}, indent=1))

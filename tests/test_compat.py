@@ -13,7 +13,8 @@ from automodel.compat import INTERNALS, CompatError, check_compat, verified
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "automodel"
-ALL_INTERNALS = [*INTERNALS, *compat.PLANNING_INTERNALS]  # (the planner's: plan.py)
+ALL_INTERNALS = [*INTERNALS, *compat.PLANNING_INTERNALS,  # (the planner's: plan.py)
+                 *compat.QLORA_INTERNALS]  # (peft=qlora: torchao)
 
 
 def _error(monkeypatch_action) -> str:
@@ -101,7 +102,7 @@ def test_the_check_refuses_the_run_before_any_rank_starts(monkeypatch, tmp_path)
 @pytest.mark.fast
 def test_pinned_ranges_are_pyprojects():
     text = (ROOT / "pyproject.toml").read_text()  # (tomllib: Python 3.11+)
-    pins = dict(re.findall(r'^\s*"(torch|transformers)\s*([<>=!~][^"]*)",', text, re.M))
+    pins = dict(re.findall(r'^\s*"(torch|transformers|torchao)\s*([<>=!~][^"]*)",', text, re.M))
     assert pins == compat.PINNED
 
 

@@ -325,9 +325,10 @@ def test_the_docs_have_commands():
     where = {c.doc for c in COMMANDS}
     assert {"README.md", RECIPES, "docs/data.md", "docs/mixture_of_experts.md"} <= where
     recipes = [c for c in COMMANDS if c.doc == RECIPES and c.launcher != "plan"]
-    assert [c.launcher for c in recipes] == ["srun", "submitter", "srun", "srun", "srun", "srun"]
-    assert [c.world for c in recipes] == [16, 16, 16, 16, 32, 8]
-    assert all(c.gpus_per_node == 8 for c in recipes)
+    assert [c.launcher for c in recipes] == ["srun", "submitter", "srun", "srun", "srun", "srun",
+                                             "srun"]
+    assert [c.world for c in recipes] == [16, 16, 16, 16, 32, 8, 2]
+    assert [c.gpus_per_node for c in recipes] == [8] * 6 + [2]
     plans = [c for c in COMMANDS if c.doc == RECIPES and c.launcher == "plan"]
     assert len(plans) == len(list(SCRIPTS.glob("*.sbatch")))  # one plan.py line per script
     kinds = {c.launcher for c in COMMANDS}
@@ -357,7 +358,7 @@ def test_doc_command_validates(cmd, doc_files, tmp_path, monkeypatch):
 
 RECIPE_LAYOUTS = {  # (pp, dp_replicate, dp_shard, tp, ep) of each recipe, as its text says
     "llama3_1_8b": {(1, 2, 8, 1, 1), (2, 1, 1, 8, 1)},
-    "llama3_1_70b": {(4, 1, 2, 4, 1), (1, 1, 8, 1, 1)},  # (full; LoRA)
+    "llama3_1_70b": {(4, 1, 2, 4, 1), (1, 1, 8, 1, 1), (1, 1, 2, 1, 1)},  # (full; LoRA; QLoRA)
     "qwen3_30b_a3b": {(1, 1, 16, 1, 8)},
 }
 

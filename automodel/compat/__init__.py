@@ -20,6 +20,7 @@ from automodel.compat import (
     torch_dist,
     torch_memory,
     torch_nn,
+    torchao_nf4,
     verified,
 )
 from automodel.compat.core import PINNED, TESTED_WITH, CompatError, Internal, check_entries
@@ -84,6 +85,10 @@ INTERNALS: list[Internal] = [*hf.INTERNALS, *torch_dist.INTERNALS, *pipeline_sta
 PLANNING_INTERNALS: list[Internal] = list(planning.INTERNALS)
 
 
+# what peft=qlora needs of torchao: checked by the preflight of a QLoRA job only
+QLORA_INTERNALS: list[Internal] = list(torchao_nf4.INTERNALS)
+
+
 def check_planning_compat() -> None:
     """``check_compat`` for the planner's own internals (``compat/planning.py``)."""
     check_entries(PLANNING_INTERNALS)
@@ -105,7 +110,8 @@ def check_compat() -> None:
 
 
 __all__ = [
-    "CompatError", "INTERNALS", "Internal", "PINNED", "PLANNING_INTERNALS", "TESTED_WITH",
+    "CompatError", "INTERNALS", "Internal", "PINNED", "PLANNING_INTERNALS", "QLORA_INTERNALS",
+    "TESTED_WITH",
     "check_planning_compat",
     "building_mesh_outside_this_rank", "can_set_attn_implementation", "causal_lm_class",
     "check_compat", "check_entries", "checkpoint_wrapper_api", "child_module",

@@ -11,8 +11,8 @@ from automodel.config.build import ConfigError
 
 # The versions the internals below were read from and the suite runs on, and the ranges
 # pyproject.toml pins (tests/test_compat.py keeps the ranges equal to pyproject's).
-TESTED_WITH = {"torch": "2.13.0", "transformers": "5.24.0"}
-PINNED = {"torch": ">=2.13,<2.15", "transformers": ">=5.0,<6"}
+TESTED_WITH = {"torch": "2.13.0", "transformers": "5.24.0", "torchao": "0.18.0"}
+PINNED = {"torch": ">=2.13,<2.15", "transformers": ">=5.0,<6", "torchao": ">=0.18,<0.19"}
 
 
 class CompatError(ConfigError):
@@ -119,7 +119,7 @@ def installed_versions() -> dict[str, str]:
 
 
 def compat_message(failures: list[tuple[Internal, str]]) -> str:
-    lines = ["the installed torch/transformers lack internals automodel relies on:"]
+    lines = ["the installed torch/transformers/torchao lack internals automodel relies on:"]
     for entry, what in failures:
         verb = "patches" if entry.patched else "uses"
         lines.append(f"  - {entry.name}: {what}; {verb} it for: {entry.feature}")

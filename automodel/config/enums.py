@@ -105,11 +105,12 @@ class WandbMode(Choice):
 
 
 class PeftMethod(Choice):
-    """``peft.method`` (the ``peft`` group's files): no adapters, or LoRA adapters beside the
-    frozen base weights."""
+    """``peft.method`` (the ``peft`` group's files): no adapters, LoRA adapters beside the
+    frozen base weights, or QLoRA (LoRA over base weights stored in 4-bit NF4)."""
 
     none = "none"
     lora = "lora"
+    qlora = "qlora"
 
 
 class LoraInit(Choice):
@@ -149,6 +150,6 @@ NOTES = {
     "Loss": " (auto: the LM head fused with the loss where that is exact)",
     "VisionUnit": " (each tower block its own FSDP2 unit, or the whole tower one unit)",
     "WandbMode": " (W&B's WANDB_MODE, else online)",
-    "PeftMethod": " (the peft group: peft=none or peft=lora)",
+    "PeftMethod": " (the peft group: peft=none, peft=lora or peft=qlora)",
     "LoraInit": " (A's initialization; B starts at zero)",
 }

@@ -197,7 +197,7 @@ class ModelConfig:
 class PeftConfig:
     """Parameter-efficient fine-tuning (the ``peft`` group): adapters beside frozen weights."""
 
-    method: PeftMethod = PeftMethod.none  # none | lora (set by peft=none / peft=lora)
+    method: PeftMethod = PeftMethod.none  # none | lora | qlora (set by the group's file)
     rank: int = 8  # r: the adapters' inner width
     alpha: float = 16.0  # the update is scaled by alpha / rank
     dropout: float = 0.0  # on the adapter's input
@@ -207,6 +207,10 @@ class PeftConfig:
     exclude_modules: List[str] = field(default_factory=list)  # patterns taken out again
     lora_dtype: str = "float32"  # the adapters' storage dtype
     init_lora_weights: LoraInit = LoraInit.kaiming  # how A starts (B starts at zero)
+    # qlora: the adapted layers' weights in NF4, one scale per block of this many values, the
+    # scales themselves quantized in groups of this many blocks
+    nf4_block_size: int = 64
+    nf4_scaler_block_size: int = 256
 
 
 @dataclass

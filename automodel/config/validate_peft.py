@@ -13,15 +13,24 @@ from automodel.config.enums import PeftMethod
 from automodel.config.validate import check_dtype
 
 ALL_LINEAR = "all-linear"
+NF4_KEYS = ("nf4_block_size", "nf4_scaler_block_size")  # options of peft=qlora only
 
 
-def check_peft(peft: s.PeftConfig, strategy) -> s.PeftConfig:
-    """``peft`` checked against its values and ``strategy`` (the chosen
-    ``config.strategies.Strategy``: its ``adapters_refusal``); returns a copy with the target
-    patterns as lists."""
+def check_peft(peft: s.PeftConfig, strategy, layout) -> s.PeftConfig:
+    """``peft`` checked against its values, ``strategy`` (the chosen
+    ``config.strategies.Strategy``: its ``adapters_refusal``) and ``layout`` (QLoRA's NF4
+    weights do not split under TP); returns a copy with the target patterns as lists."""
     if peft.method == PeftMethod.none:
-        _nothing_set_without_a_method(peft)
+        changed = _changed(peft, [f.name for f in dataclasses.fields(peft) if f.name != "method"])
+        if changed:
+            raise ConfigError(f"peft.{changed[0]} is set but no adapters are chosen "
+                              "(peft=none): add peft=lora or peft=qlora")
         return peft
+    if peft.method == PeftMethod.qlora:
+        _check_nf4(peft, layout)
+    elif _changed(peft, NF4_KEYS):
+        raise ConfigError(f"peft.{_changed(peft, NF4_KEYS)[0]} is set but peft={peft.method}: "
+                          "it applies to peft=qlora")
     if peft.rank < 1:
         raise ConfigError(f"peft.rank={peft.rank}: the adapters' width must be at least 1 "
                           "(8 to 64 are usual)")
@@ -41,16 +50,28 @@ def check_peft(peft: s.PeftConfig, strategy) -> s.PeftConfig:
             raise ConfigError(f"peft.target_modules={targets}: {ALL_LINEAR} stands alone "
                               "(it already takes every linear layer but the LM head)")
     if strategy.adapters_refusal is not None:
-        raise ConfigError(f"peft=lora with parallelism={strategy.name}: "
+        raise ConfigError(f"peft={peft.method} with parallelism={strategy.name}: "
                           f"{strategy.adapters_refusal}")
     return dataclasses.replace(peft, target_modules=targets,
                                exclude_modules=list(peft.exclude_modules))
 
 
-def _nothing_set_without_a_method(peft: s.PeftConfig) -> None:
+def _check_nf4(peft: s.PeftConfig, layout) -> None:
+    if peft.nf4_block_size < 2 or peft.nf4_block_size % 2:
+        raise ConfigError(f"peft.nf4_block_size={peft.nf4_block_size}: an even number of "
+                          "values per NF4 scale (two 4-bit values share a byte); 64 is usual")
+    if peft.nf4_scaler_block_size < 1:
+        raise ConfigError(f"peft.nf4_scaler_block_size={peft.nf4_scaler_block_size}: at "
+                          "least 1 block per quantized scale group; 256 is usual")
+    if layout.tp > 1:
+        raise ConfigError(f"peft=qlora with mesh.tp_size={layout.tp}: NF4 weights split only "
+                          "by whole rows of scale groups (as FSDP2 shards them), and a "
+                          "row-wise TP layer splits its weight by columns: set mesh.tp_size=1 "
+                          "and shard over data (FSDP2), context or pipeline ranks, or use "
+                          "peft=lora under TP")
+
+
+def _changed(peft: s.PeftConfig, keys) -> list[str]:
+    """The options among ``keys`` set to other than their defaults."""
     default = s.PeftConfig()
-    changed = [f.name for f in dataclasses.fields(s.PeftConfig)
-               if f.name != "method" and getattr(peft, f.name) != getattr(default, f.name)]
-    if changed:
-        raise ConfigError(f"peft.{changed[0]} is set but no adapters are chosen (peft=none): "
-                          "add peft=lora")
+    return [k for k in keys if getattr(peft, k) != getattr(default, k)]

@@ -10,6 +10,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from automodel.config.schema import DDPConfig
 from automodel.distributed.mesh import MeshAxis
+from automodel.peft.nf4 import is_nf4
 
 
 def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, opts: DDPConfig,
@@ -20,6 +21,10 @@ def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, opts: DDPConfig,
         find_unused_parameters=opts.find_unused_parameters,
         gradient_as_bucket_view=opts.gradient_as_bucket_view,
         static_graph=opts.static_graph,
+        # QLoRA's NF4 weights: every rank holds rank 0's 4-bit values already (filled from
+        # one source); DDP's first broadcast would copy dequantized values back into them,
+        # which quantizes them a second time (other values)
+        init_sync=not any(is_nf4(p) for p in model.parameters()),
     )
     # torch >= 2.13 calls broadcast_buffers forward_sync_buffers (the old name warns).
     if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:

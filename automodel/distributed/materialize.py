@@ -31,7 +31,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 from automodel.compat import local_shape_and_offset, local_tensor, unwrapped_name
 from automodel.config.schema import ModelConfig
+from automodel.peft import nf4
 from automodel.peft.lora import is_adapter
+from automodel.peft.nf4 import is_nf4
 
 
 def _targets(parts: list[nn.Module]) -> dict[str, list[torch.Tensor]]:
@@ -54,8 +56,11 @@ def _clean(name: str) -> str:
 
 @torch.no_grad()
 def fill_from_full(target: torch.Tensor, full: torch.Tensor) -> None:
-    """Copy the full tensor, or this rank's slice of it where ``target`` is a DTensor."""
-    if isinstance(target, DTensor):
+    """Copy the full tensor, or this rank's slice of it where ``target`` is a DTensor (a
+    QLoRA weight: quantized whole, then sliced)."""
+    if is_nf4(target):
+        nf4.fill(target, full)
+    elif isinstance(target, DTensor):
         piece = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None)
         local_tensor(target).copy_(local_tensor(piece))
     else:
@@ -139,7 +144,8 @@ def load_slices(parts: list[nn.Module], device: torch.device, files: dict[str, s
         if files[key] not in handles:
             handles[files[key]] = safe_open(files[key], framework="pt")
         stored = handles[files[key]].get_slice(key)
-        window = _local_window(p, stored.get_shape()) if isinstance(p, DTensor) else None
+        window = (_local_window(p, stored.get_shape())
+                  if isinstance(p, DTensor) and not is_nf4(p) else None)
         if window is not None:
             local_tensor(p).copy_(stored[window])
         else:

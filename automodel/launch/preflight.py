@@ -100,17 +100,29 @@ def check_model_layout(cfg: TrainConfig) -> None:
 def check_adapters(cfg: TrainConfig) -> None:
     """``peft``'s targets on the meta model: patterns that match no linear layer (with the
     nearest names), a rank wider than a layer, the LM head under the fused loss, a clash with
-    ``model.freeze``."""
+    ``model.freeze``; under QLoRA, weights that do not split into whole NF4 scale groups."""
+    from automodel.compat import QLORA_INTERNALS, check_entries
+    from automodel.config.enums import PeftMethod
     from automodel.models.builder import build_meta_model
     from automodel.peft import AdapterError, adapter_targets, uses_adapters
+    from automodel.peft.nf4 import nf4_refusal
 
     if not uses_adapters(cfg.peft):
         return
+    model = build_meta_model(cfg.model)
     try:
-        adapter_targets(build_meta_model(cfg.model), cfg.peft, str(cfg.trainer.loss),
-                        tuple(cfg.model.freeze))
+        targets = adapter_targets(model, cfg.peft, str(cfg.trainer.loss),
+                                  tuple(cfg.model.freeze))
     except AdapterError as err:
         raise ConfigError(str(err)) from None
+    if cfg.peft.method == PeftMethod.qlora:
+        check_entries(QLORA_INTERNALS)
+        shards = cfg.layout.dp_shard_cp if cfg.strategy.materialize_after_wrap else 1
+        for name in targets:
+            why = nf4_refusal(name, tuple(model.get_submodule(name).weight.shape),
+                              cfg.peft.nf4_block_size, cfg.peft.nf4_scaler_block_size, shards)
+            if why:
+                raise ConfigError(f"peft=qlora: {why}")
 
 
 def check_image_inputs(cfg: TrainConfig) -> None:

@@ -11,6 +11,7 @@ from automodel.config import schema as s
 from automodel.config.enums import PeftMethod
 from automodel.models.experts import expert_modules
 from automodel.peft.lora import add_lora, initial_a, is_adapter, lora_modules
+from automodel.peft.nf4 import quantize
 from automodel.peft.targets import AdapterError, adapter_targets
 
 __all__ = ["AdapterError", "adapted_meta_model", "adapter_targets", "add_adapters",
@@ -39,7 +40,10 @@ def add_adapters(model: nn.Module, peft: s.PeftConfig, loss: str = "auto",
         p.requires_grad_(False)
     dtype = getattr(torch, peft.lora_dtype)
     for name in targets:
-        add_lora(model.get_submodule(name), peft.rank, peft.alpha, peft.dropout, dtype)
+        module = model.get_submodule(name)
+        if peft.method == PeftMethod.qlora:
+            quantize(module, peft.nf4_block_size, peft.nf4_scaler_block_size)
+        add_lora(module, peft.rank, peft.alpha, peft.dropout, dtype)
     return targets
 
 

@@ -4,10 +4,13 @@ A checkpoint of a ``peft=lora`` run records its adapters' settings in ``trainer.
 (``"peft"``: rank, alpha, the adapted modules, the base model's path). The export then writes
 
 - the merged model: ``W + (alpha / r) B A`` in every adapted layer, a plain Hugging Face
-  model (transformers loads it without peft);
+  model (transformers loads it without peft); under QLoRA ``W`` is the weight's NF4 form,
+  dequantized (what the adapters were trained against);
 - the adapter alone, in peft's format: ``adapter_config.json`` and
   ``adapter_model.safetensors`` with the keys ``base_model.model.<module>.lora_A.weight``;
-  ``peft.PeftModel.from_pretrained(<base model>, <adapter dir>)`` loads it.
+  ``peft.PeftModel.from_pretrained(<base model>, <adapter dir>)`` loads it (a QLoRA adapter
+  over the full-precision base, as QLoRA adapters are used: the logits then differ from
+  training's by the quantization error).
 """
 
 from __future__ import annotations
@@ -17,8 +20,10 @@ import os
 import shutil
 
 from automodel.config import schema as s
+from automodel.config.enums import PeftMethod
 from automodel.peft.base_ref import base_reference
 from automodel.peft.lora import ADAPTER_CHILDREN, is_adapter
+from automodel.peft.nf4 import dequantized, to_nf4
 
 PEFT_PREFIX = "base_model.model."
 
@@ -27,9 +32,14 @@ def adapter_record(peft: s.PeftConfig, modules: list[str], model: s.ModelConfig,
                    seed: int) -> dict:
     """What ``trainer.json`` keeps of a run's adapters, and of its base
     (``base_ref.base_reference``: the checkpoint does not hold the base)."""
-    return {"r": peft.rank, "lora_alpha": peft.alpha, "lora_dropout": peft.dropout,
-            "target_modules": sorted(modules), "base_model_name_or_path": model.pretrained_path,
-            "base": base_reference(model, seed)}
+    record = {"method": str(peft.method), "r": peft.rank, "lora_alpha": peft.alpha,
+              "lora_dropout": peft.dropout, "target_modules": sorted(modules),
+              "base_model_name_or_path": model.pretrained_path,
+              "base": base_reference(model, seed)}
+    if peft.method == PeftMethod.qlora:  # (the base trained on: each weight's NF4 values)
+        record["nf4"] = {"block_size": peft.nf4_block_size,
+                         "scaler_block_size": peft.nf4_scaler_block_size}
+    return record
 
 
 def base_state(record: dict, config) -> dict:
@@ -56,15 +66,24 @@ def split_state(state: dict) -> tuple[dict, dict]:
 
 def merged(base: dict, adapters: dict, record: dict) -> dict:
     """The base weights with every adapter's update added (computed in float32, stored in
-    the weight's dtype)."""
+    the weight's dtype). A QLoRA run's adapters trained over the NF4 form of the weights:
+    the update is added to that (dequantized), which gives the trained model's logits."""
     scale = record["lora_alpha"] / record["r"]
     out = dict(base)
     for module in record["target_modules"]:
         a = adapters[f"{module}.{ADAPTER_CHILDREN[0]}.weight"].float()
         b = adapters[f"{module}.{ADAPTER_CHILDREN[1]}.weight"].float()
-        w = base[f"{module}.weight"]
+        w = trained_base(base[f"{module}.weight"], record)
         out[f"{module}.weight"] = (w.float() + scale * (b @ a)).to(w.dtype)
     return out
+
+
+def trained_base(weight, record: dict):
+    """An adapted layer's weight as the run saw it: the NF4 values under QLoRA."""
+    if "nf4" not in record:
+        return weight
+    q = record["nf4"]
+    return dequantized(to_nf4(weight, q["block_size"], q["scaler_block_size"]))
 
 
 def write_peft_adapter(adapters: dict, record: dict, out: str) -> str:

@@ -29,7 +29,8 @@ def check_resumed_adapters(cfg: TrainConfig, path: str, key: str) -> None:
     saved, now = _saved_record(path), uses_adapters(cfg.peft)
     if saved and not now:
         raise ConfigError(f"{key}: {path} is a LoRA checkpoint (adapters of rank {saved['r']} "
-                          "and no base weights): resume it with peft=lora "
+                          "and no base weights): resume it with "
+                          f"peft={saved.get('method', 'lora')} "
                           f"peft.rank={saved['r']}, or start a run of full fine-tuning from "
                           "its merged export (checkpoint.export_hf; model.pretrained_path=...)")
     if now and not saved:
@@ -38,6 +39,13 @@ def check_resumed_adapters(cfg: TrainConfig, path: str, key: str) -> None:
                           "export>), not from a full checkpoint")
     if not now:
         return
+    method = saved.get("method", "lora")
+    if method != str(cfg.peft.method) or saved.get("nf4") != _nf4(cfg):
+        raise ConfigError(f"{key}: {path} holds adapters trained with peft={method}"
+                          f"{_sizes(saved.get('nf4'))}; this run asks for "
+                          f"peft={cfg.peft.method}{_sizes(_nf4(cfg))}: set them as saved (the "
+                          "adapters fit the base weights they were trained over: full "
+                          "precision or the NF4 values)")
     if saved["r"] != cfg.peft.rank or saved["lora_alpha"] != cfg.peft.alpha:
         raise ConfigError(f"{key}: {path} holds adapters of rank {saved['r']} and alpha "
                           f"{saved['lora_alpha']}; this run asks for peft.rank={cfg.peft.rank} "
@@ -62,6 +70,19 @@ def _check_targets(cfg: TrainConfig, path: str, key: str, saved: dict) -> None:
         raise ConfigError(f"{key}: {path} holds adapters on other layers than this run's "
                           f"peft.target_modules/exclude_modules choose (saved only: "
                           f"{gone[:3]}, now only: {new[:3]}): set them as the saved run had")
+
+
+def _nf4(cfg: TrainConfig) -> dict | None:
+    from automodel.config.enums import PeftMethod
+
+    p = cfg.peft
+    return ({"block_size": p.nf4_block_size, "scaler_block_size": p.nf4_scaler_block_size}
+            if p.method == PeftMethod.qlora else None)
+
+
+def _sizes(nf4: dict | None) -> str:
+    return "" if nf4 is None else (f" (peft.nf4_block_size={nf4['block_size']} "
+                                   f"peft.nf4_scaler_block_size={nf4['scaler_block_size']})")
 
 
 def _describe(base: dict) -> str:

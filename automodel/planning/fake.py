@@ -27,6 +27,7 @@ from automodel.compat import (
     tensor_leaves,
 )
 from automodel.compat.planning import is_fake, real_tensors
+from automodel.peft.nf4 import allocate_whole, is_nf4
 
 
 def _device_if_real(t: torch.Tensor) -> str | None:
@@ -59,10 +60,12 @@ def allocate_fake(parts: list) -> None:
     """Fake storage for every parameter and buffer of ``parts`` (built on the meta device)."""
     from torch.distributed.fsdp import FSDPModule
 
+
     made: dict = {}
     for part in parts:
         if any(isinstance(m, FSDPModule) for m in part.modules()):
             part.to_empty(device="cpu")  # (FSDP2 re-makes its sharded parameters)
+            allocate_whole([part])
             continue
         for module in part.modules():
             for name, p in direct_parameters(module):
@@ -74,11 +77,14 @@ def allocate_fake(parts: list) -> None:
                 if b is not None and b.device.type == "meta":
                     made.setdefault(id(b), _empty(b))
                     set_buffer(module, name, made[id(b)])
+        allocate_whole([part])
 
 
 def _empty(t: torch.Tensor) -> torch.Tensor:
     """A fake host tensor of ``t``'s shape (made from no tensor: a plain meta ``t`` would
     make a real one under ``RealStaysReal``)."""
+    if is_nf4(t):  # (QLoRA's 4-bit weight: its inner tensors; allocate_whole completes it)
+        return torch.empty_like(t, device="cpu")
     if isinstance(t, DTensor):
         local = t.to_local()
         return DTensor.from_local(torch.empty(local.shape, dtype=local.dtype, device="cpu"),

@@ -272,10 +272,9 @@ def sharded_parameter_bytes(parts: list) -> int:
 
 
 def _local_bytes(p) -> int:
-    from torch.distributed.tensor import DTensor
+    from automodel.peft.nf4 import stored_bytes
 
-    t = p.to_local() if isinstance(p, DTensor) else p
-    return t.numel() * t.element_size()
+    return stored_bytes(p)  # (this rank's shard; QLoRA's NF4 weights at their 4-bit size)
 
 
 def as_dict(sim: RankSimulation) -> dict:

@@ -42,7 +42,10 @@ SIZES = {"mesh.tp_size": "2", "mesh.ep_size": "2", "mesh.pp_size": "2", "trainer
          "trainer.global_batch_size": "8", "trainer.local_batch_size": "1",
          "pipeline.pp_microbatch_size": "2", "trainer.max_steps": "3", "trainer.log_every": "1",
          "trainer.eval_every": "2", "trainer.eval_batches": "1", "checkpoint.every_steps": "1",
-         "optim.warmup_steps": "1", "data.eval_fraction": "0.2"}
+         "optim.warmup_steps": "1", "data.eval_fraction": "0.2",
+         # NF4 scale groups of 64 x 4 values: the tiny model's weights split in whole groups
+         # over 4 FSDP2 ranks (a 70B weight holds thousands of 64 x 256)
+         "peft.nf4_scaler_block_size": "4"}
 # #SBATCH options whose values are sizes (None: dropped; the local nodes have no GPUs)
 SBATCH_SIZES = {"nodes": "2", "ntasks-per-node": "2", "gpus-per-node": None, "cpus-per-task": "1"}
 # What each script's start-up line must say of its layout, in miniature
@@ -54,7 +57,8 @@ LAYOUTS = {
     "qwen3_30b_a3b_ep8": r"fsdp2 on 4 rank\(s\) \(dp=4, cp=1, tp=1, pp=1; ep=2\)",
     "llama3_1_70b_instruct": r"fsdp2 on 4 rank\(s\) \(dp=1, cp=1, tp=2, pp=2\).*"
                              r"4 pipeline stages",
-    "llama3_1_70b_instruct_lora": r"fsdp2 on 4 rank\(s\) \(dp=4, cp=1, tp=1, pp=1\)"}
+    "llama3_1_70b_instruct_lora": r"fsdp2 on 4 rank\(s\) \(dp=4, cp=1, tp=1, pp=1\)",
+    "llama3_1_70b_instruct_qlora": r"fsdp2 on 4 rank\(s\) \(dp=4, cp=1, tp=1, pp=1\)"}
 MODELS = {"LLAMA_8B_INSTRUCT": "llama", "LLAMA_70B_INSTRUCT": "llama",
           "QWEN3_30B_A3B": "qwen3_moe"}
 
@@ -193,8 +197,9 @@ def test_recipe_runs_in_miniature_on_two_nodes(script, recipe_jobs):
     assert saved == ["step_00000002", "step_00000003"]  # keep_last=2 of 1, 2 and 3
     hf = ckpts / "step_00000003" / "hf"
     assert (hf / "config.json").exists() and list(hf.glob("*.safetensors")), hf
-    if "peft=lora" in text:  # the adapters: in the log, and exported for peft beside the merge
-        assert "peft=lora: adapters of rank 16" in train_log
+    method = re.search(r"peft=(q?lora)", text)
+    if method:  # the adapters: in the log, and exported for peft beside the merge
+        assert f"peft={method.group(1)}: adapters of rank 16" in train_log
         assert (ckpts / "step_00000003" / "hf_adapter" / "adapter_model.safetensors").exists()
     assert list(wandb_dir.rglob("offline-run-*")), "no offline W&B run"
 

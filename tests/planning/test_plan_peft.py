@@ -36,3 +36,19 @@ def test_lora_layouts_plan(layout):
     plan = _plan("peft=lora", *layout)
     assert all(r["fits"] for r in plan["ranks"])
     assert "peft=lora" in plan["command"]
+
+
+def test_a_qlora_plan_keeps_the_adapted_weights_at_their_4_bit_size():
+    nf4 = ("peft.nf4_scaler_block_size=8",)
+    lora, qlora = _plan("peft=lora"), _plan("peft=qlora", *nf4)
+    sharded = lambda p: p["ranks"][0]["memory"]["parameters_sharded"]  # noqa: E731
+    # the 28 adapted weights (4 blocks x 7), each split in 2 rows of shards: float32 (4 bytes
+    # a value) against NF4: half a byte a value, a scale byte per 64 values, a float32 per
+    # group of 8 x 64, and in every shard the mean of the scales and the 16 levels (float32)
+    sizes = 4 * [64 * 64, 32 * 64, 32 * 64, 64 * 64, 176 * 64, 176 * 64, 64 * 176]
+    nf4_bytes = sum(n // 2 // 2 + n // 64 // 2 + 4 * n // 512 // 2 + 4 + 16 * 4 for n in sizes)
+    assert sharded(lora) - sharded(qlora) == sum(4 * n // 2 for n in sizes) - nf4_bytes
+    ag = lambda p: p["comm_bytes_per_step"]["dp_shard"]["all_gather"]  # noqa: E731
+    assert ag(qlora) < ag(lora)  # (the gathers carry the 4-bit bytes)
+    assert qlora["model"]["trainable_parameters"] == lora["model"]["trainable_parameters"]
+    assert "peft=qlora" in qlora["command"]
