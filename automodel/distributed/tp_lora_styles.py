@@ -23,8 +23,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-# the placement of each parameter, by submodule ("" the layer itself) and parameter name
-_COLWISE = {("", "weight"): Shard(0), ("", "bias"): Shard(0), ("lora_B", "weight"): Shard(0)}
+from automodel.peft.lora import MAGNITUDE
+
+# the placement of each parameter, by submodule ("" the layer itself) and parameter name (DoRA's
+# magnitude: one per output row, split with the rows column-wise, whole row-wise)
+_COLWISE = {("", "weight"): Shard(0), ("", "bias"): Shard(0), ("lora_B", "weight"): Shard(0),
+            ("", MAGNITUDE): Shard(0)}
 _ROWWISE = {("", "weight"): Shard(1), ("lora_A", "weight"): Shard(1)}
 
 
@@ -62,14 +66,18 @@ class _AdapterPlacement:
 
 
 class LoraColwise(_AdapterPlacement, ColwiseParallel):
-    """``ColwiseParallel`` for a ``LoraLinear``: A replicated, B split like the weight."""
+    """``ColwiseParallel`` for a ``LoraLinear``: A replicated, B (and DoRA's magnitude)
+    split like the weight's rows."""
 
     TABLE, WHOLE = _COLWISE, "lora_A"
 
 
 class LoraRowwise(_AdapterPlacement, RowwiseParallel):
     """``RowwiseParallel`` for a ``LoraLinear``: A split like the weight, B replicated (the
-    bias, added once after the reduction, replicated as torch's style has it)."""
+    bias, added once after the reduction, replicated as torch's style has it); DoRA's
+    magnitude replicated, and the row norms of ``W + s B A``, whose columns are split, summed
+    over the ranks in each forward (DTensor's reduction of the norm: one all-reduce of
+    ``out`` values; the magnitude's gradient comes out whole)."""
 
     TABLE, WHOLE = _ROWWISE, "lora_B"
 

@@ -11,7 +11,7 @@ from automodel.config import schema as s
 from automodel.config.enums import PeftMethod
 from automodel.models.experts import expert_modules
 from automodel.peft.lora import add_lora, initial_a, is_adapter, lora_modules
-from automodel.peft.nf4 import quantize
+from automodel.peft.nf4 import dequantized, quantize
 from automodel.peft.targets import AdapterError, adapter_targets
 
 __all__ = ["AdapterError", "adapted_meta_model", "adapter_targets", "add_adapters",
@@ -43,7 +43,7 @@ def add_adapters(model: nn.Module, peft: s.PeftConfig, loss: str = "auto",
         module = model.get_submodule(name)
         if peft.method == PeftMethod.qlora:
             quantize(module, peft.nf4_block_size, peft.nf4_scaler_block_size)
-        add_lora(module, peft.rank, peft.alpha, peft.dropout, dtype)
+        add_lora(module, peft.rank, peft.alpha, peft.dropout, dtype, peft.use_dora)
     return targets
 
 
@@ -60,8 +60,10 @@ def adapted_meta_model(cfg) -> nn.Module:
 
 @torch.no_grad()
 def init_adapters(parts: list[nn.Module], peft: s.PeftConfig, seed: int) -> None:
-    """Fill every adapter of ``parts`` (allocated: after ``to_empty``, sharded or whole) with
-    its first value: A from the module's own seeded draw, B zero. Not collective."""
+    """Fill every adapter of ``parts`` (allocated: after ``to_empty``, sharded or whole, the
+    base weights filled) with its first value: A from the module's own seeded draw, B zero,
+    DoRA's magnitudes the base weight's row norms (collective over a sharded weight's mesh:
+    every rank of it runs this for the same modules, in the same order)."""
     from automodel.compat import unwrapped_name
     from automodel.distributed.materialize import fill_from_full
 
@@ -72,3 +74,15 @@ def init_adapters(parts: list[nn.Module], peft: s.PeftConfig, seed: int) -> None
             fill_from_full(m.lora_A.weight, a.to(m.lora_A.weight.dtype))
             fill_from_full(m.lora_B.weight, torch.zeros(m.lora_B.weight.shape,
                                                         dtype=m.lora_B.weight.dtype))
+            if m.use_dora:
+                magnitude = m.lora_magnitude_vector
+                fill_from_full(magnitude, row_norms(m.weight).to(magnitude.dtype))
+
+
+def row_norms(weight: torch.Tensor) -> torch.Tensor:
+    """The L2 norm of each row of ``weight`` (dequantized; a DTensor's rows whole: the norms
+    of rows split over ranks are reduced), on the host, float32."""
+    from torch.distributed.tensor import DTensor
+
+    norms = torch.linalg.vector_norm(dequantized(weight).float(), dim=1)
+    return norms.full_tensor() if isinstance(norms, DTensor) else norms

@@ -3,7 +3,8 @@
 A checkpoint of a ``peft=lora`` run records its adapters' settings in ``trainer.json``
 (``"peft"``: rank, alpha, the adapted modules, the base model's path). The export then writes
 
-- the merged model: ``W + (alpha / r) B A`` in every adapted layer, a plain Hugging Face
+- the merged model: ``W + (alpha / r) B A`` in every adapted layer (under DoRA, each row of
+  it scaled to its trained length ``m``), a plain Hugging Face
   model (transformers loads it without peft); under QLoRA ``W`` is the weight's NF4 form,
   dequantized (what the adapters were trained against);
 - the adapter alone, in peft's format: ``adapter_config.json`` and
@@ -19,10 +20,12 @@ import json
 import os
 import shutil
 
+import torch
+
 from automodel.config import schema as s
 from automodel.config.enums import PeftMethod
 from automodel.peft.base_ref import base_reference
-from automodel.peft.lora import ADAPTER_CHILDREN, is_adapter
+from automodel.peft.lora import ADAPTER_CHILDREN, MAGNITUDE, is_adapter
 from automodel.peft.nf4 import dequantized, to_nf4
 
 PEFT_PREFIX = "base_model.model."
@@ -33,7 +36,8 @@ def adapter_record(peft: s.PeftConfig, modules: list[str], model: s.ModelConfig,
     """What ``trainer.json`` keeps of a run's adapters, and of its base
     (``base_ref.base_reference``: the checkpoint does not hold the base)."""
     record = {"method": str(peft.method), "r": peft.rank, "lora_alpha": peft.alpha,
-              "lora_dropout": peft.dropout, "target_modules": sorted(modules),
+              "lora_dropout": peft.dropout, "use_dora": peft.use_dora,
+              "target_modules": sorted(modules),
               "base_model_name_or_path": model.pretrained_path,
               "base": base_reference(model, seed)}
     if peft.method == PeftMethod.qlora:  # (the base trained on: each weight's NF4 values)
@@ -74,7 +78,11 @@ def merged(base: dict, adapters: dict, record: dict) -> dict:
         a = adapters[f"{module}.{ADAPTER_CHILDREN[0]}.weight"].float()
         b = adapters[f"{module}.{ADAPTER_CHILDREN[1]}.weight"].float()
         w = trained_base(base[f"{module}.weight"], record)
-        out[f"{module}.weight"] = (w.float() + scale * (b @ a)).to(w.dtype)
+        new = w.float() + scale * (b @ a)
+        if record.get("use_dora"):  # each row set to its trained length
+            magnitude = adapters[f"{module}.{MAGNITUDE}"].float()
+            new = new * (magnitude / torch.linalg.vector_norm(new, dim=1))[:, None]
+        out[f"{module}.weight"] = new.to(w.dtype)
     return out
 
 
@@ -97,7 +105,8 @@ def write_peft_adapter(adapters: dict, record: dict, out: str) -> str:
               os.path.join(tmp, "adapter_model.safetensors"), metadata={"format": "pt"})
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": record["r"],
               "lora_alpha": record["lora_alpha"], "lora_dropout": record["lora_dropout"],
-              "target_modules": record["target_modules"], "bias": "none", "use_dora": False,
+              "target_modules": record["target_modules"], "bias": "none",
+              "use_dora": bool(record.get("use_dora")),
               "use_rslora": False, "fan_in_fan_out": False, "init_lora_weights": True,
               "modules_to_save": None, "inference_mode": True,
               "base_model_name_or_path": record["base_model_name_or_path"]}

@@ -7,6 +7,12 @@ automodel keys on (tensor-parallel plans, the pipeline split, loading by name, c
 across layouts) is the base model's, and the adapters' names are the ones peft writes
 (``<module>.lora_A.weight``).
 
+With ``use_dora`` (DoRA) the layer also gains ``lora_magnitude_vector`` ([out], peft's name),
+one length per output row, and computes ``m / ||W + s B A|| * (x (W + s B A)^T) + b``, the
+row norms taken as constants (no gradient through them, as DoRA's paper and peft do): the
+adapter then changes each row's direction while ``m`` sets its length. ``m`` starts at the
+base weight's row norms, so the layer starts as the base.
+
 A starts random and B at zero (the adapted model starts as the base). Each adapter's A is
 drawn from a generator seeded by the run's seed and the module's name: the same values in
 every layout, on every rank, whatever the order the modules are built or filled in, and
@@ -23,7 +29,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from automodel.peft.nf4 import dequantized
+
 ADAPTER_CHILDREN = ("lora_A", "lora_B")
+MAGNITUDE = "lora_magnitude_vector"  # DoRA's row lengths, a parameter of the layer itself
 
 
 class LoraLinear(nn.Linear):
@@ -33,15 +42,33 @@ class LoraLinear(nn.Linear):
     lora_B: nn.Linear
     lora_dropout: nn.Module
     scaling: float
+    use_dora: bool
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.linear(x, self.weight, self.bias)
-        h = self.lora_dropout(x).to(self.lora_A.weight.dtype)
-        return out + (self.lora_B(self.lora_A(h)) * self.scaling).to(out.dtype)
+        h = self.lora_dropout(x)
+        update = self.lora_B(self.lora_A(h.to(self.lora_A.weight.dtype))) * self.scaling
+        if not self.use_dora:
+            return out + update.to(out.dtype)
+        return out + self._dora(x, h, out, update.to(out.dtype))
+
+    def _dora(self, x, h, out, update):
+        """What DoRA adds to the base output: ``(m/n - 1) x W^T + (m/n) update`` with ``n``
+        the row norms of ``W + s B A`` (constants), as peft computes it (``x W^T`` taken
+        from the base output where dropout leaves the input as it is)."""
+        weight = dequantized(self.weight).to(out.dtype)
+        delta = (self.lora_B.weight @ self.lora_A.weight).to(out.dtype) * self.scaling
+        norm = torch.linalg.vector_norm(weight + delta.detach(), dim=1).detach()
+        scale = self.lora_magnitude_vector.to(out.dtype) / norm
+        if h is x:
+            base = out if self.bias is None else out - self.bias
+        else:
+            base = F.linear(h.to(out.dtype), weight)
+        return (scale - 1) * base + scale * update
 
 
 def add_lora(module: nn.Linear, rank: int, alpha: float, dropout: float,
-             dtype: torch.dtype) -> None:
+             dtype: torch.dtype, dora: bool = False) -> None:
     """Turn ``module`` (a plain ``nn.Linear``) into a ``LoraLinear`` in place: its weights
     keep their names and objects; the adapters are allocated where the weight is (the meta
     device under a sharded build) and filled by ``init_adapters``."""
@@ -52,12 +79,17 @@ def add_lora(module: nn.Linear, rank: int, alpha: float, dropout: float,
                               dtype=dtype)
     module.lora_dropout = nn.Dropout(dropout) if dropout else nn.Identity()
     module.scaling = alpha / rank
+    module.use_dora = dora
+    if dora:
+        module.lora_magnitude_vector = nn.Parameter(
+            torch.empty(module.out_features, device=device, dtype=dtype))
 
 
 def is_adapter(name: str) -> bool:
-    """A parameter name of an adapter (``...q_proj.lora_A.weight``)."""
+    """A parameter name of an adapter (``...q_proj.lora_A.weight``,
+    ``...q_proj.lora_magnitude_vector``)."""
     parts = name.split(".")
-    return len(parts) >= 2 and parts[-2] in ADAPTER_CHILDREN
+    return parts[-1] == MAGNITUDE or len(parts) >= 2 and parts[-2] in ADAPTER_CHILDREN
 
 
 def adapter_seed(seed: int, module_name: str) -> int:

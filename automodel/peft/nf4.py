@@ -59,8 +59,17 @@ def quantize(module: nn.Linear, block_size: int, scaler_block_size: int) -> None
 
 
 def dequantized(weight: torch.Tensor) -> torch.Tensor:
-    """The weight an NF4 tensor stands for (its dtype), or ``weight`` as it is."""
-    return weight.get_original_weight() if is_nf4(weight) else weight
+    """The weight an NF4 tensor (or an FSDP2 shard of one) stands for, in its dtype; any
+    other ``weight`` as it is."""
+    from torch.distributed.tensor import DTensor
+
+    if not is_nf4(weight):
+        return weight
+    if isinstance(weight, DTensor):
+        return DTensor.from_local(_local(weight).get_original_weight(), weight.device_mesh,
+                                  weight.placements, run_check=False, shape=weight.shape,
+                                  stride=weight.stride())
+    return weight.get_original_weight()
 
 
 @torch.no_grad()

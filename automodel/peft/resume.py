@@ -46,6 +46,10 @@ def check_resumed_adapters(cfg: TrainConfig, path: str, key: str) -> None:
                           f"peft={cfg.peft.method}{_sizes(_nf4(cfg))}: set them as saved (the "
                           "adapters fit the base weights they were trained over: full "
                           "precision or the NF4 values)")
+    if bool(saved.get("use_dora")) != cfg.peft.use_dora:
+        raise ConfigError(f"{key}: {path} holds adapters trained with "
+                          f"peft.use_dora={bool(saved.get('use_dora'))}; this run asks for "
+                          f"peft.use_dora={cfg.peft.use_dora}: set it as saved")
     if saved["r"] != cfg.peft.rank or saved["lora_alpha"] != cfg.peft.alpha:
         raise ConfigError(f"{key}: {path} holds adapters of rank {saved['r']} and alpha "
                           f"{saved['lora_alpha']}; this run asks for peft.rank={cfg.peft.rank} "

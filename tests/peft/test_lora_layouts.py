@@ -91,7 +91,7 @@ def test_lora_on_an_image_text_model_with_each_frozen_sharding_policy(policy, re
     assert_matches(records, reference(*vlm))
 
 
-def _tp_adapters(rank, world):
+def _tp_adapters(rank, world, extra):
     """Placements, trainable names and the replicated adapters after three steps, TP2+SP."""
     from torch.distributed.tensor import DTensor
 
@@ -99,7 +99,7 @@ def _tp_adapters(rank, world):
 
     cfg, setup, parallel = parallel_model(rank, world, ["mesh.tp_size=2", "mesh.dp_size=1",
                                                         "parallelism.sequence_parallel=true",
-                                                        "trainer.loss=plain"] + LORA)
+                                                        "trainer.loss=plain"] + LORA + extra)
     model = parallel.parts[0]
     names = {n.replace("_checkpoint_wrapped_module.", ""): p for n, p in model.named_parameters()}
     def tp(p):  # the placement on the TP dim (the last of FSDP2 x TP): "R" or "S<dim>"
@@ -110,7 +110,9 @@ def _tp_adapters(rank, world):
     placed = {k: tp(names[layer + k]) for k in (
         "self_attn.q_proj.weight", "self_attn.q_proj.lora_A.weight",
         "self_attn.q_proj.lora_B.weight", "self_attn.o_proj.weight",
-        "self_attn.o_proj.lora_A.weight", "self_attn.o_proj.lora_B.weight")}
+        "self_attn.o_proj.lora_A.weight", "self_attn.o_proj.lora_B.weight",
+        "self_attn.q_proj.lora_magnitude_vector", "self_attn.o_proj.lora_magnitude_vector")
+        if layer + k in names}
     trainable = sorted(n for n, p in names.items() if p.requires_grad)
     with torch.no_grad():  # (B from zero: A's gradient is zero in step 1)
         for n, p in names.items():
@@ -129,16 +131,23 @@ def _tp_adapters(rank, world):
     return placed, trainable, replicas
 
 
-def test_tp_places_each_adapter_as_its_layer_and_keeps_replicas_equal(tmp_path):
+@pytest.mark.parametrize("dora", [False, True])
+def test_tp_places_each_adapter_as_its_layer_and_keeps_replicas_equal(dora, tmp_path):
     from tests.helpers import run_on_ranks
 
-    (placed, trainable, replicas), (_, _, other) = run_on_ranks(_tp_adapters, 2,
+    extra = ["peft.use_dora=true"] if dora else []
+    (placed, trainable, replicas), (_, _, other) = run_on_ranks(_tp_adapters, 2, extra,
                                                                 tmp_path=tmp_path)
-    assert placed == {  # column-wise q_proj: A whole, B split like W; row-wise o_proj: A split
+    expected = {  # column-wise q_proj: A whole, B split like W; row-wise o_proj: A split
         "self_attn.q_proj.weight": "S0", "self_attn.q_proj.lora_A.weight": "R",  # like W,
         "self_attn.q_proj.lora_B.weight": "S0", "self_attn.o_proj.weight": "S1",  # B whole
         "self_attn.o_proj.lora_A.weight": "S1", "self_attn.o_proj.lora_B.weight": "R"}
+    if dora:  # DoRA's lengths: split with the rows column-wise, whole row-wise
+        expected.update({"self_attn.q_proj.lora_magnitude_vector": "S0",
+                         "self_attn.o_proj.lora_magnitude_vector": "R"})
+    assert placed == expected
     assert trainable and all(".lora_" in n for n in trainable)  # (SP's norms stay frozen)
-    assert len(replicas) == 4 * (5 + 2)  # A of 5 column-wise layers, B of 2 row-wise, 4 blocks
+    # A of 5 column-wise layers, B of 2 row-wise (and their magnitudes under DoRA), 4 blocks
+    assert len(replicas) == 4 * (5 + 2 + (2 if dora else 0))
     for name, value in replicas.items():  # trained three steps, still the same on both ranks
         assert value.abs().max() > 0 and torch.equal(value, other[name]), name

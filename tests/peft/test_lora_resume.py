@@ -51,6 +51,7 @@ def test_resume_is_exact_in_its_layout_and_continues_under_a_pipeline(tp2_run, t
                                                  "run asks for peft.rank=8"),
     (LORA + ["peft.target_modules=[q_proj,v_proj]"], "holds adapters on other layers"),
     (LORA + ["trainer.seed=7"], "was trained over another base model than this run's"),
+    (LORA + ["peft.use_dora=true"], "holds adapters trained with peft.use_dora=False"),
     (["peft=qlora", "peft.rank=4", "peft.alpha=8", "peft.nf4_scaler_block_size=8",
       "mesh.tp_size=1"], "holds adapters trained with peft=lora; this run asks for "
                          "peft=qlora (peft.nf4_block_size=64 peft.nf4_scaler_block_size=8)"),

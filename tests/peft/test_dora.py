@@ -1,0 +1,154 @@
+"""DoRA (``peft.use_dora=true``): each adapted layer gains a trained length per output row.
+
+- in this process, against the ``peft`` package's own DoRA: the same logits and the same
+  gradients (A, B and the magnitudes: the row norms are constants in both), and the merged
+  weights equal peft's ``merge_and_unload``; the magnitudes start at the base's row norms;
+- in layouts: row-wise TP splits the rows' columns, so the norms are summed over the TP
+  ranks; FSDP2 (with accumulation), TP2+SP (with accumulation), a pipeline, QLoRA's NF4 base
+  under FSDP2 and an image-text model match one process; the default precision trains close
+  to fp32;
+- the export: transformers loads the merged model and peft the adapter (``use_dora``), both
+  with the trained logits.
+"""
+
+import os
+
+import pytest
+import torch
+
+from automodel.api import load_config
+from automodel.checkpoint.hf_export import load_full_model_state
+from automodel.checkpoint.paths import checkpoint_path
+from automodel.config.enums import PeftMethod
+from automodel.config.schema import ModelConfig, PeftConfig
+from automodel.models.builder import build_model
+from automodel.peft import add_adapters, init_adapters
+from automodel.peft.export import PEFT_PREFIX, merged, split_state
+from automodel.peft.lora import lora_modules
+from tests.distributed.test_parity import assert_close_to_fp32, assert_matches
+from tests.helpers import FP32, job_overrides, train
+
+DORA = ["peft=lora", "peft.rank=4", "peft.alpha=8", "peft.use_dora=true"]
+CONFIG = PeftConfig(method=PeftMethod.lora, rank=4, alpha=8.0, use_dora=True)
+LLAMA = ModelConfig(config={"model_type": "llama", "vocab_size": 64, "hidden_size": 32,
+                            "intermediate_size": 48, "num_hidden_layers": 2,
+                            "num_attention_heads": 4, "num_key_value_heads": 2})
+PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _ours_and_peft():
+    """(our DoRA model, peft's over the same base, with the same trained-looking adapters)."""
+    from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+
+    ours = build_model(LLAMA, seed=0)
+    add_adapters(ours, CONFIG)
+    init_adapters([ours], CONFIG, seed=0)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for m in lora_modules(ours).values():  # (as after some steps: B moved, lengths too)
+            m.lora_B.weight.copy_(torch.randn(m.lora_B.weight.shape, generator=g) * 0.05)
+            m.lora_magnitude_vector.mul_(1 + 0.1 * torch.rand(m.out_features, generator=g))
+    theirs = get_peft_model(build_model(LLAMA, seed=0), LoraConfig(
+        r=4, lora_alpha=8, target_modules=PROJECTIONS, use_dora=True))
+    _, adapters = split_state(ours.state_dict())
+    result = set_peft_model_state_dict(theirs, {PEFT_PREFIX + k: v for k, v in adapters.items()})
+    assert not result.unexpected_keys
+    return ours, theirs
+
+
+@pytest.mark.fast
+def test_dora_is_peft_s_dora():
+    ours, theirs = _ours_and_peft()
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    out, ref = ours(input_ids=ids, labels=ids), theirs(input_ids=ids, labels=ids)
+    torch.testing.assert_close(out.logits, ref.logits, rtol=1e-5, atol=1e-6)
+    out.loss.backward()
+    ref.loss.backward()
+    grads = {n: p.grad for n, p in theirs.named_parameters() if p.requires_grad}
+    for name, p in ours.named_parameters():
+        if p.requires_grad:  # lora_A.weight -> lora_A.default.weight; the magnitude's too
+            peft_name = "base_model.model." + name.replace(".weight", ".default.weight") \
+                .replace("lora_magnitude_vector", "lora_magnitude_vector.default.weight")
+            torch.testing.assert_close(p.grad, grads[peft_name], rtol=1e-4, atol=1e-7)
+    assert sum(".lora_magnitude_vector" in n for n, p in ours.named_parameters()
+               if p.requires_grad) == 14
+
+
+@pytest.mark.fast
+def test_magnitudes_start_at_the_row_norms_and_the_merge_is_peft_s():
+    base = build_model(LLAMA, seed=0)
+    model = build_model(LLAMA, seed=0)
+    add_adapters(model, CONFIG)
+    init_adapters([model], CONFIG, seed=0)
+    for name, m in lora_modules(model).items():
+        torch.testing.assert_close(m.lora_magnitude_vector,
+                                   base.get_submodule(name).weight.norm(dim=1))
+    ids = torch.randint(0, 64, (2, 8))  # (B zero and m the norms: the base model)
+    torch.testing.assert_close(model(input_ids=ids).logits, base(input_ids=ids).logits)
+
+    ours, theirs = _ours_and_peft()
+    state, adapters = split_state(ours.state_dict())
+    record = {"r": 4, "lora_alpha": 8.0, "use_dora": True,
+              "target_modules": sorted(lora_modules(ours))}
+    mine = merged(state, adapters, record)
+    plain = theirs.merge_and_unload().state_dict()
+    for key in plain:
+        torch.testing.assert_close(mine[key], plain[key], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("layout", [
+    ["parallelism=fsdp2", FP32, "trainer.local_batch_size=2"],  # (2 micro-batches per step)
+    ["parallelism=fsdp2", FP32, "mesh.tp_size=2"],
+    ["parallelism=fsdp2", FP32, "mesh.tp_size=2", "parallelism.sequence_parallel=true",
+     "trainer.local_batch_size=4"],
+    ["parallelism=fsdp2", FP32, "pipeline=1f1b", "pipeline.pp_microbatch_size=2",
+     "parallelism.activation_checkpointing=true"],
+])
+def test_dora_matches_one_process(layout, reference, tmp_path):
+    records = train(layout + DORA, tmp_path)
+    assert_matches(records, reference(*DORA))
+
+
+def test_dora_over_qlora_s_nf4_base(reference, tmp_path):
+    run = ["peft=qlora", "peft.rank=4", "peft.alpha=8", "peft.nf4_scaler_block_size=8",
+           "peft.use_dora=true"]
+    records = train(["parallelism=fsdp2", FP32] + run, tmp_path)
+    assert_matches(records, reference(*run))
+
+
+def test_dora_on_an_image_text_model(reference, tmp_path):
+    vlm = ["model=llava_tiny", "data.image_every=2", "trainer.loss=plain",
+           "peft.target_modules=[*language_model*_proj,lm_head]"] + DORA
+    records = train(["parallelism=fsdp2", FP32, "trainer.local_batch_size=1"] + vlm, tmp_path)
+    assert_matches(records, reference(*vlm))
+
+
+def test_dora_trains_under_the_default_precision(reference, tmp_path):
+    records = train(["parallelism=fsdp2"] + DORA, tmp_path)
+    assert_close_to_fp32(records, reference(*DORA), loss_rtol=2e-2)
+
+
+def test_the_export_gives_the_trained_logits(tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    run = DORA + ["checkpoint.every_steps=3", "trainer.max_steps=3", "checkpoint.export_hf=true"]
+    train(["parallelism=none"] + run, tmp_path)
+    step = checkpoint_path(str(tmp_path / "checkpoints"), 3)
+    cfg = load_config(job_overrides(run))
+    trained = build_model(cfg.model, seed=cfg.trainer.seed)
+    add_adapters(trained, cfg.peft)
+    missing, unexpected = trained.load_state_dict(load_full_model_state(step), strict=False)
+    assert not unexpected and not any(".lora_" in k for k in missing)
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = trained.eval()(input_ids=ids).logits
+        base = build_model(cfg.model, seed=cfg.trainer.seed)
+        assert not torch.allclose(base(input_ids=ids).logits, logits, atol=1e-3)
+        merged_model = AutoModelForCausalLM.from_pretrained(os.path.join(step, "hf")).eval()
+        torch.testing.assert_close(merged_model(input_ids=ids).logits, logits, rtol=1e-4,
+                                   atol=1e-5)
+        with_peft = PeftModel.from_pretrained(base, os.path.join(step, "hf_adapter")).eval()
+        assert with_peft.peft_config["default"].use_dora
+        torch.testing.assert_close(with_peft(input_ids=ids).logits, logits, rtol=1e-4,
+                                   atol=1e-5)
