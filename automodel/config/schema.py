@@ -208,6 +208,7 @@ class PeftConfig:
     lora_dtype: str = "float32"  # the adapters' storage dtype
     init_lora_weights: LoraInit = LoraInit.kaiming  # how A starts (B starts at zero)
     use_dora: bool = False  # DoRA: a trained length per output row (lora_magnitude_vector)
+    experts: bool = False  # adapters on every expert of the MoE layers' fused 3-D weights
     # qlora: the adapted layers' weights in NF4, one scale per block of this many values, the
     # scales themselves quantized in groups of this many blocks
     nf4_block_size: int = 64

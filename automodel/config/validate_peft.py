@@ -49,6 +49,8 @@ def check_peft(peft: s.PeftConfig, strategy, layout) -> s.PeftConfig:
         if ALL_LINEAR in targets and len(targets) > 1:
             raise ConfigError(f"peft.target_modules={targets}: {ALL_LINEAR} stands alone "
                               "(it already takes every linear layer but the LM head)")
+    if peft.experts:
+        _check_experts(peft, layout)
     if strategy.adapters_refusal is not None:
         raise ConfigError(f"peft={peft.method} with parallelism={strategy.name}: "
                           f"{strategy.adapters_refusal}")
@@ -69,6 +71,21 @@ def _check_nf4(peft: s.PeftConfig, layout) -> None:
                           "row-wise TP layer splits its weight by columns: set mesh.tp_size=1 "
                           "and shard over data (FSDP2), context or pipeline ranks, or use "
                           "peft=lora under TP")
+
+
+def _check_experts(peft: s.PeftConfig, layout) -> None:
+    """Expert adapters are merged into each expert's weight as the layer runs."""
+    if peft.use_dora or peft.dropout:
+        which = "peft.use_dora=true" if peft.use_dora else f"peft.dropout={peft.dropout}"
+        raise ConfigError(f"peft.experts=true with {which}: an expert's update is merged into "
+                          "its weight as the layer runs, where DoRA's row lengths and dropout "
+                          "on the adapter's input have no place; leave them at their defaults "
+                          "or set peft.experts=false")
+    if layout.tp > 1:
+        raise ConfigError(f"peft.experts=true with mesh.tp_size={layout.tp}: expert adapters "
+                          "are split with their experts over expert-parallel ranks, not by "
+                          "features over TP ranks; spread the experts with mesh.ep_size "
+                          "instead, or set peft.experts=false")
 
 
 def _changed(peft: s.PeftConfig, keys) -> list[str]:

@@ -40,6 +40,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from automodel.compat import direct_parameters, replace_parameter_table
 from automodel.models.experts import DISPATCH_STYLE, expert_modules
+from automodel.peft.experts import with_adapters
 
 
 class _AllToAllV(torch.autograd.Function):
@@ -202,7 +203,8 @@ def exchange_and_combine(module: nn.Module, hidden_states: torch.Tensor,
     source_row = order // k
     received = _AllToAllV.apply(hidden_states[source_row], out_splits, in_splits, ep.group)
     ones = torch.ones(received.shape[0], 1, dtype=received.dtype, device=received.device)
-    computed = _expert_compute(module)(_local_view(module), received, local_ids[:, None], ones)
+    view = with_adapters(_local_view(module))  # (expert adapters, if any, merged per expert)
+    computed = _expert_compute(module)(view, received, local_ids[:, None], ones)
     back = _AllToAllV.apply(computed, in_splits, out_splits, ep.group)
     weights = top_k_weights.reshape(-1)[order].to(back.dtype)
     out = torch.zeros_like(hidden_states)

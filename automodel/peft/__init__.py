@@ -10,6 +10,12 @@ from torch import nn
 from automodel.config import schema as s
 from automodel.config.enums import PeftMethod
 from automodel.models.experts import expert_modules
+from automodel.peft.experts import (
+    adapted_experts,
+    add_expert_lora,
+    expert_adapter_params,
+    initial_expert_a,
+)
 from automodel.peft.lora import add_lora, initial_a, is_adapter, lora_modules
 from automodel.peft.nf4 import dequantized, quantize
 from automodel.peft.targets import AdapterError, adapter_targets
@@ -32,10 +38,10 @@ def add_adapters(model: nn.Module, peft: s.PeftConfig, loss: str = "auto",
         return []
     targets = adapter_targets(model, peft, loss, freeze)
     experts = expert_modules(model)
-    if experts:
-        log.warning("peft: the experts of %d MoE layers take no adapters in this version (their "
-                    "weights are fused 3-D tensors): they stay as they are, while the "
-                    "attention, shared experts and dense layers get adapters", len(experts))
+    if experts and not peft.experts:
+        log.warning("peft: the experts of %d MoE layers take no adapters (peft.experts=false): "
+                    "they stay as they are, while the attention, shared experts and dense "
+                    "layers get adapters", len(experts))
     for p in model.parameters():
         p.requires_grad_(False)
     dtype = getattr(torch, peft.lora_dtype)
@@ -44,6 +50,9 @@ def add_adapters(model: nn.Module, peft: s.PeftConfig, loss: str = "auto",
         if peft.method == PeftMethod.qlora:
             quantize(module, peft.nf4_block_size, peft.nf4_scaler_block_size)
         add_lora(module, peft.rank, peft.alpha, peft.dropout, dtype, peft.use_dora)
+    if peft.experts:
+        for module in experts.values():
+            add_expert_lora(module, peft.rank, peft.alpha, dtype)
     return targets
 
 
@@ -77,6 +86,12 @@ def init_adapters(parts: list[nn.Module], peft: s.PeftConfig, seed: int) -> None
             if m.use_dora:
                 magnitude = m.lora_magnitude_vector
                 fill_from_full(magnitude, row_norms(m.weight).to(magnitude.dtype))
+        for name, m in adapted_experts(part).items():
+            for weight, a, b in expert_adapter_params(m):
+                a0 = initial_expert_a(f"{unwrapped_name(name)}.{weight}", tuple(a.shape), seed,
+                                      str(peft.init_lora_weights))
+                fill_from_full(a, a0.to(a.dtype))
+                fill_from_full(b, torch.zeros(b.shape, dtype=b.dtype))
 
 
 def row_norms(weight: torch.Tensor) -> torch.Tensor:

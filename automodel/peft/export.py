@@ -25,14 +25,15 @@ import torch
 from automodel.config import schema as s
 from automodel.config.enums import PeftMethod
 from automodel.peft.base_ref import base_reference
-from automodel.peft.lora import ADAPTER_CHILDREN, MAGNITUDE, is_adapter
+from automodel.peft.experts import merged_expert_weight, peft_keys, to_peft_layout
+from automodel.peft.lora import ADAPTER_CHILDREN, EXPERT_SUFFIXES, MAGNITUDE, is_adapter
 from automodel.peft.nf4 import dequantized, to_nf4
 
 PEFT_PREFIX = "base_model.model."
 
 
 def adapter_record(peft: s.PeftConfig, modules: list[str], model: s.ModelConfig,
-                   seed: int) -> dict:
+                   seed: int, experts: dict | None = None) -> dict:
     """What ``trainer.json`` keeps of a run's adapters, and of its base
     (``base_ref.base_reference``: the checkpoint does not hold the base)."""
     record = {"method": str(peft.method), "r": peft.rank, "lora_alpha": peft.alpha,
@@ -40,6 +41,8 @@ def adapter_record(peft: s.PeftConfig, modules: list[str], model: s.ModelConfig,
               "target_modules": sorted(modules),
               "base_model_name_or_path": model.pretrained_path,
               "base": base_reference(model, seed)}
+    if experts:  # expert weights' full names -> stored transposed
+        record["target_parameters"] = dict(experts)
     if peft.method == PeftMethod.qlora:  # (the base trained on: each weight's NF4 values)
         record["nf4"] = {"block_size": peft.nf4_block_size,
                          "scaler_block_size": peft.nf4_scaler_block_size}
@@ -83,6 +86,9 @@ def merged(base: dict, adapters: dict, record: dict) -> dict:
             magnitude = adapters[f"{module}.{MAGNITUDE}"].float()
             new = new * (magnitude / torch.linalg.vector_norm(new, dim=1))[:, None]
         out[f"{module}.weight"] = new.to(w.dtype)
+    for name, transposed in record.get("target_parameters", {}).items():
+        out[name] = merged_expert_weight(base[name], adapters[name + EXPERT_SUFFIXES[0]],
+                                         adapters[name + EXPERT_SUFFIXES[1]], scale, transposed)
     return out
 
 
@@ -101,19 +107,34 @@ def write_peft_adapter(adapters: dict, record: dict, out: str) -> str:
     tmp = out.rstrip("/") + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
-    save_file({PEFT_PREFIX + k: v.contiguous() for k, v in adapters.items()},
-              os.path.join(tmp, "adapter_model.safetensors"), metadata={"format": "pt"})
+    save_file(_in_peft_layout(adapters, record), os.path.join(tmp, "adapter_model.safetensors"),
+              metadata={"format": "pt"})
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": record["r"],
               "lora_alpha": record["lora_alpha"], "lora_dropout": record["lora_dropout"],
               "target_modules": record["target_modules"], "bias": "none",
               "use_dora": bool(record.get("use_dora")),
               "use_rslora": False, "fan_in_fan_out": False, "init_lora_weights": True,
               "modules_to_save": None, "inference_mode": True,
+              "target_parameters": sorted(record.get("target_parameters", {})) or None,
               "base_model_name_or_path": record["base_model_name_or_path"]}
     with open(os.path.join(tmp, "adapter_config.json"), "w") as f:
         json.dump(config, f, indent=1)
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
+    return out
+
+
+def _in_peft_layout(adapters: dict, record: dict) -> dict:
+    """The adapters under peft's keys (``base_model.model.`` + name); expert adapters
+    renamed and reshaped as peft keeps an expert weight's (``experts.peft_keys``)."""
+    out = {PEFT_PREFIX + k: v.contiguous() for k, v in adapters.items()
+           if not k.endswith(EXPERT_SUFFIXES)}
+    keys = peft_keys(record.get("target_parameters", {}))
+    for name in record.get("target_parameters", {}):
+        a, b = to_peft_layout(adapters[name + EXPERT_SUFFIXES[0]],
+                              adapters[name + EXPERT_SUFFIXES[1]])
+        out[PEFT_PREFIX + keys[name + EXPERT_SUFFIXES[0]]] = a.contiguous()
+        out[PEFT_PREFIX + keys[name + EXPERT_SUFFIXES[1]]] = b.contiguous()
     return out
 
 

@@ -33,6 +33,7 @@ from automodel.peft.nf4 import dequantized
 
 ADAPTER_CHILDREN = ("lora_A", "lora_B")
 MAGNITUDE = "lora_magnitude_vector"  # DoRA's row lengths, a parameter of the layer itself
+EXPERT_SUFFIXES = ("_lora_A", "_lora_B")  # experts: <weight>_lora_A beside <weight> (experts.py)
 
 
 class LoraLinear(nn.Linear):
@@ -89,7 +90,8 @@ def is_adapter(name: str) -> bool:
     """A parameter name of an adapter (``...q_proj.lora_A.weight``,
     ``...q_proj.lora_magnitude_vector``)."""
     parts = name.split(".")
-    return parts[-1] == MAGNITUDE or len(parts) >= 2 and parts[-2] in ADAPTER_CHILDREN
+    return (parts[-1] == MAGNITUDE or parts[-1].endswith(EXPERT_SUFFIXES)
+            or len(parts) >= 2 and parts[-2] in ADAPTER_CHILDREN)
 
 
 def adapter_seed(seed: int, module_name: str) -> int:

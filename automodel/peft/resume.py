@@ -46,6 +46,11 @@ def check_resumed_adapters(cfg: TrainConfig, path: str, key: str) -> None:
                           f"peft={cfg.peft.method}{_sizes(_nf4(cfg))}: set them as saved (the "
                           "adapters fit the base weights they were trained over: full "
                           "precision or the NF4 values)")
+    if bool(saved.get("target_parameters")) != cfg.peft.experts:
+        raise ConfigError(f"{key}: {path} holds adapters "
+                          f"{'with' if saved.get('target_parameters') else 'without'} expert "
+                          f"adapters; this run asks for peft.experts={cfg.peft.experts}: set "
+                          "it as saved")
     if bool(saved.get("use_dora")) != cfg.peft.use_dora:
         raise ConfigError(f"{key}: {path} holds adapters trained with "
                           f"peft.use_dora={bool(saved.get('use_dora'))}; this run asks for "

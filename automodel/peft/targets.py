@@ -71,8 +71,8 @@ def _no_match(model: nn.Module, linears: dict, pattern: str) -> str:
     if others:
         return (f"peft.target_modules: {pattern!r} matches {', '.join(others[:3])}"
                 f"{' ...' if len(others) > 3 else ''}, not a linear layer: LoRA adapts "
-                "nn.Linear layers (MoE experts' fused weights and embeddings take none in this "
-                "version)")
+                "nn.Linear layers (embeddings take none; MoE experts' fused weights take theirs "
+                "with peft.experts=true)")
     tails = sorted({".".join(n.split(".")[-2:]) for n in linears}
                    | {n.rpartition(".")[2] for n in linears})
     close = difflib.get_close_matches(pattern.lstrip("*."), tails, n=3, cutoff=0.5)
@@ -99,11 +99,36 @@ def adapter_targets(model: nn.Module, peft: s.PeftConfig, loss: str = "auto",
         raise AdapterError(f"peft.exclude_modules: {unused[0]!r} takes out none of the "
                            f"{len(chosen)} targeted layers (e.g. {chosen[0] if chosen else '-'})")
     chosen = [n for n in chosen if n not in dropped]
+    if peft.experts:
+        _check_experts(model, peft)
     if not chosen:
         raise AdapterError("peft: no linear layer is left to adapt (peft.exclude_modules "
                            "took out every targeted one)")
     _check_chosen(model, linears, chosen, head, peft, loss, freeze)
     return chosen
+
+
+def _check_experts(model: nn.Module, peft: s.PeftConfig) -> None:
+    from automodel.peft.experts import expert_weights, in_out
+
+    found = expert_modules(model)
+    if not found:
+        raise AdapterError(f"peft.experts=true: {type(model).__name__} has no MoE experts (no "
+                           "experts module in its config's base_model_ep_plan); set "
+                           "peft.experts=false")
+    for name, module in found.items():
+        weights = expert_weights(module)
+        if weights is None:
+            raise AdapterError(f"peft.experts=true: {name} ({type(module).__name__}) is not an "
+                               "experts module automodel knows (fused per-expert 3-D weights "
+                               "made by transformers' experts interface); set "
+                               "peft.experts=false")
+        for weight in weights:
+            fan_in, fan_out = in_out(module, weight)
+            if peft.rank > min(fan_in, fan_out):
+                raise AdapterError(f"peft.rank={peft.rank} is wider than the experts' "
+                                   f"{name}.{weight} ({fan_in} -> {fan_out}): at most "
+                                   f"{min(fan_in, fan_out)}")
 
 
 def _check_chosen(model, linears, chosen, head, peft, loss, freeze) -> None:

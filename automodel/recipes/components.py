@@ -36,6 +36,7 @@ from automodel.models.builder import build_meta_model, build_model
 from automodel.optim import Optimizers, Schedulers
 from automodel.parallelize import ModelParts, parallelize
 from automodel.peft import add_adapters, init_adapters, uses_adapters
+from automodel.peft.experts import expert_targets
 from automodel.peft.export import adapter_record
 from automodel.peft.lora import lora_modules
 from automodel.recipes.evaluate import Evaluator
@@ -72,8 +73,8 @@ def build_components(cfg: TrainConfig, setup: DistributedSetup, output_dir: str)
     n_frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
     model_config = model.config.to_dict()
     adapted = sorted(lora_modules(model))  # (the whole model's, before a pipeline splits it)
-    adapters = (adapter_record(cfg.peft, adapted, cfg.model, cfg.trainer.seed) if adapted
-                else None)
+    adapters = (adapter_record(cfg.peft, adapted, cfg.model, cfg.trainer.seed,
+                               expert_targets(model)) if adapted else None)
     router_loss = RouterLoss.of(model)
     set_phase("parallelize")
     parallel = parallelize(model, setup, fill)
