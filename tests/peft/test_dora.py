@@ -4,8 +4,9 @@
   gradients (A, B and the magnitudes: the row norms are constants in both), and the merged
   weights equal peft's ``merge_and_unload``; the magnitudes start at the base's row norms;
 - in layouts: row-wise TP splits the rows' columns, so the norms are summed over the TP
-  ranks; FSDP2 (with accumulation), TP2+SP (with accumulation), a pipeline, QLoRA's NF4 base
-  under FSDP2 and an image-text model match one process; the default precision trains close
+  ranks; DDP, FSDP2 (with accumulation), CP with activation checkpointing and compile, TP2,
+  TP2+SP (with accumulation), a pipeline, EP on a MoE model, QLoRA's NF4 base under FSDP2
+  and an image-text model match one process; the default precision trains close
   to fp32;
 - the export: transformers loads the merged model and peft the adapter (``use_dora``), both
   with the trained logits.
@@ -97,7 +98,10 @@ def test_magnitudes_start_at_the_row_norms_and_the_merge_is_peft_s():
 
 
 @pytest.mark.parametrize("layout", [
+    ["parallelism=ddp"],
     ["parallelism=fsdp2", FP32, "trainer.local_batch_size=2"],  # (2 micro-batches per step)
+    ["parallelism=fsdp2", FP32, "mesh.cp_size=2", "parallelism.activation_checkpointing=true",
+     "parallelism.enable_compile=true"],
     ["parallelism=fsdp2", FP32, "mesh.tp_size=2"],
     ["parallelism=fsdp2", FP32, "mesh.tp_size=2", "parallelism.sequence_parallel=true",
      "trainer.local_batch_size=4"],
@@ -107,6 +111,14 @@ def test_magnitudes_start_at_the_row_norms_and_the_merge_is_peft_s():
 def test_dora_matches_one_process(layout, reference, tmp_path):
     records = train(layout + DORA, tmp_path)
     assert_matches(records, reference(*DORA))
+
+
+def test_dora_on_a_moe_model_under_expert_parallelism(reference, tmp_path):
+    moe = ["model=qwen3_moe_tiny", "trainer.loss=plain",
+           "peft.target_modules=[*_proj,lm_head]"] + DORA
+    records = train(["parallelism=fsdp2", FP32, "mesh.dp_size=2", "mesh.ep_size=2"] + moe,
+                    tmp_path)
+    assert_matches(records, reference(*moe))
 
 
 def test_dora_over_qlora_s_nf4_base(reference, tmp_path):
