@@ -40,6 +40,7 @@ from automodel.distributed.tp_extra_styles import (
     ReplicatedWithGradAllReduce,
 )
 from automodel.distributed.tp_heads import localize_head_counts
+from automodel.distributed.tp_image_text import ShardSequenceOnEntry, language_stack
 from automodel.distributed.tp_lora_styles import lora_style
 from automodel.models.tp_plans import matches
 from automodel.peft.lora import LoraLinear
@@ -51,22 +52,24 @@ _HEAD_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value"
                      "W_pack", "q_b_proj", "kv_b_proj", "query", "key", "value")
 
 def _style(name: str, module: nn.Module, sequence_parallel: bool,
-           in_block: bool) -> ParallelStyle | None:
+           in_block: bool, whole_embedding: bool = False) -> ParallelStyle | None:
     """The torch style for a style name on ``module``. ``in_block``: the module sits inside a
     transformer block, where (with sequence parallelism) inputs arrive gathered and outputs
-    go back to the sequence-sharded residual stream."""
+    go back to the sequence-sharded residual stream. ``whole_embedding``: the embedding's
+    output stays whole under SP (an image-text model merges its images into it first)."""
     sp = sequence_parallel
     embedding = isinstance(module, nn.Embedding)
     seq_out = dict(output_layouts=Shard(1), use_local_output=False) if sp else {}
+    sp_embedding = sp and not whole_embedding
     if name == "embedding_rowwise" or (embedding and name in ("rowwise", "rowwise_rep",
                                                                "rowwise_split_input")):
         return EmbeddingRowwise(input_layouts=Replicate(),
-                                output_layouts=Shard(1) if sp else Replicate(),
-                                use_local_output=not sp)
+                                output_layouts=Shard(1) if sp_embedding else Replicate(),
+                                use_local_output=not sp_embedding)
     if name == "embedding_colwise" or (embedding and name == "colwise_gather_output"):
         return EmbeddingColwise(input_layouts=Replicate(),
-                                output_layouts=Shard(1) if sp else Replicate(),
-                                use_local_output=not sp)
+                                output_layouts=Shard(1) if sp_embedding else Replicate(),
+                                use_local_output=not sp_embedding)
     if name == "colwise":
         return ColwiseParallel()
     if name == "rowwise":
@@ -175,14 +178,18 @@ def per_head_weights(model: nn.Module, concrete: dict[str, str]) -> list[str]:
 
 
 def check_divisibility(model: nn.Module, concrete: dict[str, str], tp: int) -> None:
-    """What the plan needs of the model's sizes: heads split by TP, a vocabulary split."""
-    cfg = model.config
+    """What the plan needs of the model's sizes: heads split by TP, a vocabulary split (an
+    image-text model's: its language model's config)."""
+    from automodel.models.multimodal import text_config
+
+    cfg = text_config(model.config)
     if splits_heads(concrete):
         for key in ("num_attention_heads", "num_key_value_heads"):
             value = getattr(cfg, key, None)
             if isinstance(value, int) and value % tp:
                 raise ValueError(f"mesh.tp_size={tp} must divide the model's {key}={value} "
-                                 f"(model.config.{key}): the TP plan splits attention heads; "
+                                 f"({_config_key(model, key)}): the TP plan splits attention "
+                                 "heads; "
                                  "choose a tp_size that divides it")
     vocab = getattr(cfg, "vocab_size", None)
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
@@ -193,6 +200,40 @@ def check_divisibility(model: nn.Module, concrete: dict[str, str], tp: int) -> N
         if shards_vocab(style, on_embedding=module is embedding) and vocab % tp:
             raise ValueError(f"mesh.tp_size={tp} must divide the model's vocab_size={vocab}: "
                              f"the TP plan splits {fqn!r} by vocabulary with {style!r}")
+
+
+def _config_key(model: nn.Module, key: str) -> str:
+    from automodel.models.multimodal import is_image_text
+
+    return (f"model.config.text_config.{key}" if is_image_text(model.config)
+            else f"model.config.{key}")
+
+
+def plan_gap(model: nn.Module, concrete: dict[str, str], block_fqns: list[str],
+             sequence_parallel: bool) -> str | None:
+    """What the plan ``concrete`` leaves inconsistent in a language block's attention or MLP
+    (a child holding linear layers), or None: an output projection split by its input
+    (``rowwise``) with no input projection split by its output before it; under sequence
+    parallelism, a child whose output is not reduced back to sequence shards (no row-wise
+    projection: it would take and return the sharded stream whole)."""
+    from automodel.models.parts import group_of
+
+    for block in [b for b in block_fqns if group_of(b) == "language"]:
+        for name, child in model.get_submodule(block).named_children():
+            fqn = f"{block}.{name}"
+            if not any(isinstance(m, nn.Linear) for m in child.modules()):
+                continue
+            styles = [v for k, v in concrete.items() if k.startswith(fqn + ".")]
+            if "rowwise" in styles and not any("colwise" in v and "gather" not in v
+                                               for v in styles):
+                return (f"{fqn} ({type(child).__name__}): the plan splits its output "
+                        "projection by input ('rowwise') but none of its input projections "
+                        "by output")
+            if sequence_parallel and not any(v.startswith("rowwise") for v in styles):
+                return (f"{fqn} ({type(child).__name__}) has no row-wise projection in the "
+                        "plan, so its output cannot return to the sequence-sharded residual "
+                        "stream")
+    return None
 
 
 def _module_or_none(model: nn.Module, fqn: str) -> nn.Module | None:
@@ -215,13 +256,19 @@ def _split_parameter(model: nn.Module, fqn: str, style: str, tp_mesh: DeviceMesh
 
 
 def _sequence_parallel_extras(model: nn.Module, block_fqns: list[str],
-                              concrete: dict[str, str]) -> dict[str, ParallelStyle]:
-    """Norms on the residual stream run sequence-sharded; blocks gather on entry."""
+                              concrete: dict[str, str],
+                              stack: str | None) -> dict[str, ParallelStyle]:
+    """Norms on the residual stream run sequence-sharded; blocks gather on entry. ``stack``:
+    an image-text model's language stack (its blocks and norms only: the tower keeps whole
+    sequences), which splits the sequence on entry."""
     extras: dict[str, ParallelStyle] = {}
-    base = (model.get_submodule(model.base_model_prefix)
-            if getattr(model, "base_model_prefix", "") else model)
-    prefix = f"{model.base_model_prefix}." if getattr(model, "base_model_prefix", "") else ""
-    parents = [(prefix.rstrip("."), base)] + [(f, model.get_submodule(f)) for f in block_fqns]
+    if stack is not None:
+        extras[stack] = ShardSequenceOnEntry()
+        block_fqns = [b for b in block_fqns if b.startswith(stack + ".")]
+    else:
+        stack = getattr(model, "base_model_prefix", "")
+    base = model.get_submodule(stack) if stack else model
+    parents = [(stack, base)] + [(f, model.get_submodule(f)) for f in block_fqns]
     for parent_name, parent in parents:
         for child_name, child in parent.named_children():
             fqn = f"{parent_name}.{child_name}" if parent_name else child_name
@@ -243,6 +290,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: dict, source: str,
     plan says for it (the loss reduces the softmax across the ranks instead)."""
     concrete = expand_plan(model, plan, source, allow_unmatched=pipeline_stage)
     check_divisibility(model, concrete, tp_mesh.size())
+    stack = language_stack(model, block_fqns) if sequence_parallel else None
     styles: dict[str, ParallelStyle] = {}
     for fqn, name in concrete.items():
         module = _module_or_none(model, fqn)
@@ -253,7 +301,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: dict, source: str,
             module.rope_dim = model.config.qk_rope_head_dim
         in_block = any(fqn.startswith(b + ".") for b in block_fqns)
         style = (VocabParallelHead() if fqn == vocab_parallel_head
-                 else _style(name, module, sequence_parallel, in_block))
+                 else _style(name, module, sequence_parallel, in_block, stack is not None))
         if isinstance(module, LoraLinear) and style is not None:
             style = _with_adapters(fqn, name, style)
         if style is not None:
@@ -263,7 +311,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: dict, source: str,
     for fqn in per_head_weights(model, concrete):  # (on local heads: -2)
         styles.setdefault(fqn, ReplicatedWithGradAllReduce())
     if sequence_parallel:
-        for fqn, style in _sequence_parallel_extras(model, block_fqns, concrete).items():
+        for fqn, style in _sequence_parallel_extras(model, block_fqns, concrete,
+                                                    stack).items():
             styles.setdefault(fqn, style)
     frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
     parallelize_module(model, tp_mesh, styles)

@@ -54,14 +54,8 @@ def check_model_layout(cfg: TrainConfig) -> None:
     from automodel.config.validate_pipeline import check_pipeline_model
     from automodel.distributed import context_parallel, expert_parallel
     from automodel.distributed.pipelining.split import contents_from_fqns
-    from automodel.distributed.tensor_parallel import (
-        check_divisibility,
-        expand_plan,
-        splits_heads,
-    )
     from automodel.models.anatomy import find_anatomy
     from automodel.models.builder import build_meta_model
-    from automodel.models.tp_plans import select_tp_plan
 
     try:
         model = build_meta_model(cfg.model)
@@ -70,18 +64,13 @@ def check_model_layout(cfg: TrainConfig) -> None:
                           f"{err}") from None
     from automodel.models.multimodal import is_image_text
 
-    if is_image_text(model.config):
-        raise ConfigError(f"{type(model).__name__} is an image-text model: tensor, context, "
+    if is_image_text(model.config) and max(m.cp_size, m.ep_size, cfg.layout.pp) > 1:
+        raise ConfigError(f"{type(model).__name__} is an image-text model: context, "
                           "pipeline and expert parallelism are not available for image-text "
-                          "models in this version; keep mesh.tp_size, cp_size, pp_size and "
-                          "ep_size at 1 (data parallelism: ddp, fsdp2, hsdp)")
+                          "models in this version; keep mesh.cp_size, pp_size and ep_size at "
+                          "1 (data and tensor parallelism: ddp, fsdp2, hsdp, mesh.tp_size)")
     try:
-        tp_heads = 1
-        if m.tp_size > 1:
-            plan, source = select_tp_plan(model, getattr(cfg.parallelism, "tp_plan", None))
-            concrete = expand_plan(model, plan, source)
-            check_divisibility(model, concrete, m.tp_size)
-            tp_heads = m.tp_size if splits_heads(concrete) else 1
+        tp_heads = _check_tp_plan(cfg, model) if m.tp_size > 1 else 1
         if m.cp_size > 1:
             context_parallel.check_model(model, m.cp_size, m.cp_ulysses_size or 1, tp_heads)
         expert_parallel.check_layout(model, m.ep_size, pipeline=cfg.pipeline,
@@ -95,6 +84,36 @@ def check_model_layout(cfg: TrainConfig) -> None:
                 contents_from_fqns(model, anatomy, cfg.pipeline.module_fqns_per_model_part)
     except ValueError as err:  # (ConfigError is one)
         raise ConfigError(str(err)) from None
+
+
+def _check_tp_plan(cfg: TrainConfig, model) -> int:
+    """The TP plan on the model: its patterns, what ``mesh.tp_size`` must divide, and (for
+    an image-text model) each language block part split consistently. Returns how many ways
+    attention heads are split."""
+    from automodel.distributed.tensor_parallel import (
+        check_divisibility,
+        expand_plan,
+        plan_gap,
+        splits_heads,
+    )
+    from automodel.models.multimodal import is_image_text
+    from automodel.models.parts import block_fqns
+    from automodel.models.tp_plans import select_tp_plan
+
+    tp = cfg.mesh.tp_size
+    plan, source = select_tp_plan(model, getattr(cfg.parallelism, "tp_plan", None))
+    concrete = expand_plan(model, plan, source)
+    check_divisibility(model, concrete, tp)
+    sp = getattr(cfg.parallelism, "sequence_parallel", False)
+    gap = plan_gap(model, concrete, block_fqns(model), sp) if is_image_text(model.config) \
+        else None
+    if gap:
+        raise ConfigError(f"{type(model).__name__} with mesh.tp_size={tp}"
+                          f"{' and sequence parallelism' if sp else ''}: {gap} ({source}); "
+                          "choose another layout"
+                          f"{' (parallelism.sequence_parallel=false)' if sp else ''}, or give "
+                          "a parallelism.tp_plan that splits it")
+    return tp if splits_heads(concrete) else 1
 
 
 def check_adapters(cfg: TrainConfig) -> None:

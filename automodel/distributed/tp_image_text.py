@@ -1,0 +1,47 @@
+"""Sequence parallelism for image-text models: the images are merged on the full sequence.
+
+An image-text model embeds its tokens, writes the image features over the image tokens'
+embeddings (on the whole sequence: the image positions are anywhere in it) and hands the
+result to its language model as ``inputs_embeds``. Under sequence parallelism the embedding
+therefore keeps its output whole (as without SP), and the language model's stack splits the
+sequence on entry: ``inputs_embeds`` becomes a DTensor sharded on the sequence (each TP rank
+keeps its chunk: no communication), so the stack's own mask and position logic still see the
+full length, as for a text model. In the backward the chunks' gradients are all-gathered,
+so the merged embeddings, the projector and a trainable tower get whole gradients on every
+TP rank (the tower is replicated over TP).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ParallelStyle
+
+
+def language_stack(model: nn.Module, block_fqns: list[str]) -> str | None:
+    """For an image-text model, the name of the module that runs its language blocks (the
+    parent of their list, e.g. ``model.language_model``); None for a text model."""
+    from automodel.models.multimodal import is_image_text
+    from automodel.models.parts import group_of
+
+    if not is_image_text(model.config):
+        return None
+    language = [b for b in block_fqns if group_of(b) == "language"]
+    return language[0].rsplit(".", 2)[0] if language else None
+
+
+class ShardSequenceOnEntry(ParallelStyle):
+    """The language stack's ``inputs_embeds`` (whole, replicated over TP) as a ``Shard(1)``
+    DTensor: this rank's chunk of the sequence, the full length reported."""
+
+    def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        def hook(mod, args, kwargs):
+            x = kwargs.get("inputs_embeds")
+            if x is not None and not isinstance(x, DTensor):
+                whole = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+                kwargs = dict(kwargs, inputs_embeds=whole.redistribute(mesh, [Shard(1)]))
+            return args, kwargs
+
+        module.register_forward_pre_hook(hook, with_kwargs=True)
+        return module
