@@ -10,12 +10,7 @@ from torch import nn
 from automodel.config import schema as s
 from automodel.config.enums import PeftMethod
 from automodel.models.experts import expert_modules
-from automodel.peft.experts import (
-    adapted_experts,
-    add_expert_lora,
-    expert_adapter_params,
-    initial_expert_a,
-)
+from automodel.peft.experts import adapted_experts, add_expert_lora, expert_adapter_params
 from automodel.peft.lora import add_lora, initial_a, is_adapter, lora_modules
 from automodel.peft.nf4 import dequantized, quantize
 from automodel.peft.targets import AdapterError, adapter_targets
@@ -78,7 +73,7 @@ def init_adapters(parts: list[nn.Module], peft: s.PeftConfig, seed: int) -> None
 
     for part in parts:
         for name, m in lora_modules(part).items():
-            a = initial_a(unwrapped_name(name), peft.rank, m.in_features, seed,
+            a = initial_a(unwrapped_name(name), (peft.rank, m.in_features), seed,
                           str(peft.init_lora_weights))
             fill_from_full(m.lora_A.weight, a.to(m.lora_A.weight.dtype))
             fill_from_full(m.lora_B.weight, torch.zeros(m.lora_B.weight.shape,
@@ -88,8 +83,8 @@ def init_adapters(parts: list[nn.Module], peft: s.PeftConfig, seed: int) -> None
                 fill_from_full(magnitude, row_norms(m.weight).to(magnitude.dtype))
         for name, m in adapted_experts(part).items():
             for weight, a, b in expert_adapter_params(m):
-                a0 = initial_expert_a(f"{unwrapped_name(name)}.{weight}", tuple(a.shape), seed,
-                                      str(peft.init_lora_weights))
+                a0 = initial_a(f"{unwrapped_name(name)}.{weight}", tuple(a.shape), seed,
+                               str(peft.init_lora_weights))
                 fill_from_full(a, a0.to(a.dtype))
                 fill_from_full(b, torch.zeros(b.shape, dtype=b.dtype))
 

@@ -19,7 +19,6 @@ merged weight and are refused with ``peft.experts``.
 
 from __future__ import annotations
 
-import math
 import types
 
 import torch
@@ -48,7 +47,7 @@ def in_out(module: nn.Module, weight: str) -> tuple[int, int]:
 
 def add_expert_lora(module: nn.Module, rank: int, alpha: float, dtype: torch.dtype) -> None:
     """Give every per-expert weight of ``module`` its adapters (allocated where the weight
-    is; filled by ``init_expert_adapters``) and route its forward through ``with_adapters``."""
+    is; filled by ``init_adapters``) and route its forward through ``with_adapters``."""
     for weight in expert_weights(module):
         fan_in, fan_out = in_out(module, weight)
         device = getattr(module, weight).device
@@ -71,28 +70,13 @@ def with_adapters(module: nn.Module) -> nn.Module:
     if scaling is None:
         return module
     table = dict(direct_parameters(module))
-    for weight in [n[:-len(SUFFIXES[0])] for n in table if n.endswith(SUFFIXES[0])]:
-        a, b = table[weight + SUFFIXES[0]], table[weight + SUFFIXES[1]]
-        delta = torch.bmm(b, a).to(table[weight].dtype) * scaling  # [experts, out, in]
-        table[weight] = table[weight] + (delta.transpose(1, 2) if module.is_transposed
-                                         else delta)
+    for weight, a, b in expert_adapter_params(module):
+        table[weight] = table[weight] + expert_update(a, b, scaling, module.is_transposed).to(
+            table[weight].dtype)
     view = object.__new__(type(module))
     view.__dict__.update(module.__dict__)
     replace_parameter_table(view, table)
     return view
-
-
-def initial_expert_a(name: str, shape: tuple, seed: int, init: str) -> torch.Tensor:
-    """The first A of every expert of weight ``name``: as ``initial_a`` draws a layer's, one
-    expert after another from the weight's own seeded generator."""
-    from automodel.peft.lora import adapter_seed
-
-    g = torch.Generator().manual_seed(adapter_seed(seed, name))
-    experts, rank, fan_in = shape
-    if init == "gaussian":
-        return torch.randn(shape, generator=g) / rank
-    bound = 1.0 / math.sqrt(fan_in)
-    return torch.rand(shape, generator=g) * (2 * bound) - bound
 
 
 def adapted_experts(part: nn.Module) -> dict[str, nn.Module]:
@@ -137,7 +121,9 @@ def to_peft_layout(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torc
     return a.reshape(experts * rank, fan_in), b.permute(1, 2, 0).reshape(b.shape[1], -1)
 
 
-def merged_expert_weight(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float,
-                         transposed: bool) -> torch.Tensor:
-    delta = torch.bmm(b.float(), a.float()) * scaling
-    return (w.float() + (delta.transpose(1, 2) if transposed else delta)).to(w.dtype)
+def expert_update(a: torch.Tensor, b: torch.Tensor, scaling: float,
+                  transposed: bool) -> torch.Tensor:
+    """``s B A`` of every expert, in its weight's layout (``[experts, out, in]``, or
+    ``[experts, in, out]`` transposed)."""
+    delta = torch.bmm(b, a) * scaling
+    return delta.transpose(1, 2) if transposed else delta

@@ -25,7 +25,7 @@ import torch
 from automodel.config import schema as s
 from automodel.config.enums import PeftMethod
 from automodel.peft.base_ref import base_reference
-from automodel.peft.experts import merged_expert_weight, peft_keys, to_peft_layout
+from automodel.peft.experts import expert_update, peft_keys, to_peft_layout
 from automodel.peft.lora import ADAPTER_CHILDREN, EXPERT_SUFFIXES, MAGNITUDE, is_adapter
 from automodel.peft.nf4 import dequantized, to_nf4
 
@@ -43,10 +43,16 @@ def adapter_record(peft: s.PeftConfig, modules: list[str], model: s.ModelConfig,
               "base": base_reference(model, seed)}
     if experts:  # expert weights' full names -> stored transposed
         record["target_parameters"] = dict(experts)
-    if peft.method == PeftMethod.qlora:  # (the base trained on: each weight's NF4 values)
-        record["nf4"] = {"block_size": peft.nf4_block_size,
-                         "scaler_block_size": peft.nf4_scaler_block_size}
+    if nf4_record(peft) is not None:  # (the base trained on: each weight's NF4 values)
+        record["nf4"] = nf4_record(peft)
     return record
+
+
+def nf4_record(peft: s.PeftConfig) -> dict | None:
+    """A QLoRA run's NF4 sizes as ``trainer.json`` keeps them; None for LoRA."""
+    if peft.method != PeftMethod.qlora:
+        return None
+    return {"block_size": peft.nf4_block_size, "scaler_block_size": peft.nf4_scaler_block_size}
 
 
 def base_state(record: dict, config) -> dict:
@@ -57,8 +63,6 @@ def base_state(record: dict, config) -> dict:
 
     base = record["base"]
     if "pretrained_path" in base:
-        import torch
-
         model = auto_class(config).from_pretrained(base["pretrained_path"], dtype=torch.float32)
         return model.state_dict()
     return build_model(s.ModelConfig(config=base["config"], dtype=base["dtype"]),
@@ -87,8 +91,10 @@ def merged(base: dict, adapters: dict, record: dict) -> dict:
             new = new * (magnitude / torch.linalg.vector_norm(new, dim=1))[:, None]
         out[f"{module}.weight"] = new.to(w.dtype)
     for name, transposed in record.get("target_parameters", {}).items():
-        out[name] = merged_expert_weight(base[name], adapters[name + EXPERT_SUFFIXES[0]],
-                                         adapters[name + EXPERT_SUFFIXES[1]], scale, transposed)
+        w = base[name]
+        update = expert_update(adapters[name + EXPERT_SUFFIXES[0]].float(),
+                               adapters[name + EXPERT_SUFFIXES[1]].float(), scale, transposed)
+        out[name] = (w.float() + update).to(w.dtype)
     return out
 
 

@@ -98,15 +98,17 @@ def adapter_seed(seed: int, module_name: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(module_name.encode())) % (2**63)
 
 
-def initial_a(module_name: str, rank: int, in_features: int, seed: int,
-              init: str) -> torch.Tensor:
-    """A's first value (float32, on the host): kaiming draws it as ``nn.Linear`` draws its
-    weight (uniform within 1/sqrt(in)), gaussian from N(0, 1/rank)."""
-    g = torch.Generator().manual_seed(adapter_seed(seed, module_name))
+def initial_a(name: str, shape: tuple, seed: int, init: str) -> torch.Tensor:
+    """A's first value (float32, on the host), ``shape`` ``[..., rank, in]`` (a layer's, or
+    every expert's of an experts weight), drawn from ``name``'s own seeded generator: kaiming
+    as ``nn.Linear`` draws its weight (uniform within 1/sqrt(in)), gaussian from
+    N(0, 1/rank)."""
+    g = torch.Generator().manual_seed(adapter_seed(seed, name))
+    rank, in_features = shape[-2:]
     if init == "gaussian":
-        return torch.randn(rank, in_features, generator=g) / rank
+        return torch.randn(shape, generator=g) / rank
     bound = 1.0 / math.sqrt(in_features)
-    return torch.rand(rank, in_features, generator=g) * (2 * bound) - bound
+    return torch.rand(shape, generator=g) * (2 * bound) - bound
 
 
 def lora_modules(part: nn.Module) -> dict[str, LoraLinear]:

@@ -13,6 +13,7 @@ import os
 from automodel.config.build import ConfigError
 from automodel.config.resolve import TrainConfig
 from automodel.peft.base_ref import base_reference, same_base
+from automodel.peft.export import nf4_record
 
 
 def _saved_record(path: str) -> dict | None:
@@ -39,11 +40,11 @@ def check_resumed_adapters(cfg: TrainConfig, path: str, key: str) -> None:
                           "export>), not from a full checkpoint")
     if not now:
         return
-    method = saved.get("method", "lora")
-    if method != str(cfg.peft.method) or saved.get("nf4") != _nf4(cfg):
+    method, nf4 = saved.get("method", "lora"), nf4_record(cfg.peft)
+    if method != str(cfg.peft.method) or saved.get("nf4") != nf4:
         raise ConfigError(f"{key}: {path} holds adapters trained with peft={method}"
                           f"{_sizes(saved.get('nf4'))}; this run asks for "
-                          f"peft={cfg.peft.method}{_sizes(_nf4(cfg))}: set them as saved (the "
+                          f"peft={cfg.peft.method}{_sizes(nf4)}: set them as saved (the "
                           "adapters fit the base weights they were trained over: full "
                           "precision or the NF4 values)")
     if bool(saved.get("target_parameters")) != cfg.peft.experts:
@@ -79,14 +80,6 @@ def _check_targets(cfg: TrainConfig, path: str, key: str, saved: dict) -> None:
         raise ConfigError(f"{key}: {path} holds adapters on other layers than this run's "
                           f"peft.target_modules/exclude_modules choose (saved only: "
                           f"{gone[:3]}, now only: {new[:3]}): set them as the saved run had")
-
-
-def _nf4(cfg: TrainConfig) -> dict | None:
-    from automodel.config.enums import PeftMethod
-
-    p = cfg.peft
-    return ({"block_size": p.nf4_block_size, "scaler_block_size": p.nf4_scaler_block_size}
-            if p.method == PeftMethod.qlora else None)
 
 
 def _sizes(nf4: dict | None) -> str:

@@ -17,9 +17,6 @@ import os
 import pytest
 import torch
 
-from automodel.api import load_config
-from automodel.checkpoint.hf_export import load_full_model_state
-from automodel.checkpoint.paths import checkpoint_path
 from automodel.config.enums import PeftMethod
 from automodel.config.schema import ModelConfig, PeftConfig
 from automodel.models.builder import build_model
@@ -27,7 +24,8 @@ from automodel.peft import add_adapters, init_adapters
 from automodel.peft.export import PEFT_PREFIX, merged, split_state
 from automodel.peft.lora import lora_modules
 from tests.distributed.test_parity import assert_close_to_fp32, assert_matches
-from tests.helpers import FP32, job_overrides, train
+from tests.helpers import FP32, train
+from tests.peft.exported import exported_run, logits, merged_model, trained_model
 
 DORA = ["peft=lora", "peft.rank=4", "peft.alpha=8", "peft.use_dora=true"]
 CONFIG = PeftConfig(method=PeftMethod.lora, rank=4, alpha=8.0, use_dora=True)
@@ -142,25 +140,12 @@ def test_dora_trains_under_the_default_precision(reference, tmp_path):
 
 def test_the_export_gives_the_trained_logits(tmp_path):
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM
 
-    run = DORA + ["checkpoint.every_steps=3", "trainer.max_steps=3", "checkpoint.export_hf=true"]
-    train(["parallelism=none"] + run, tmp_path)
-    step = checkpoint_path(str(tmp_path / "checkpoints"), 3)
-    cfg = load_config(job_overrides(run))
-    trained = build_model(cfg.model, seed=cfg.trainer.seed)
-    add_adapters(trained, cfg.peft)
-    missing, unexpected = trained.load_state_dict(load_full_model_state(step), strict=False)
-    assert not unexpected and not any(".lora_" in k for k in missing)
-    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        logits = trained.eval()(input_ids=ids).logits
-        base = build_model(cfg.model, seed=cfg.trainer.seed)
-        assert not torch.allclose(base(input_ids=ids).logits, logits, atol=1e-3)
-        merged_model = AutoModelForCausalLM.from_pretrained(os.path.join(step, "hf")).eval()
-        torch.testing.assert_close(merged_model(input_ids=ids).logits, logits, rtol=1e-4,
-                                   atol=1e-5)
-        with_peft = PeftModel.from_pretrained(base, os.path.join(step, "hf_adapter")).eval()
-        assert with_peft.peft_config["default"].use_dora
-        torch.testing.assert_close(with_peft(input_ids=ids).logits, logits, rtol=1e-4,
-                                   atol=1e-5)
+    cfg, step = exported_run(DORA, tmp_path)
+    expected = logits(trained_model(cfg, step))
+    base = build_model(cfg.model, seed=cfg.trainer.seed)
+    assert not torch.allclose(logits(base), expected, atol=1e-3)  # (the adapters moved it)
+    torch.testing.assert_close(logits(merged_model(step)), expected, rtol=1e-4, atol=1e-5)
+    with_peft = PeftModel.from_pretrained(base, os.path.join(step, "hf_adapter")).eval()
+    assert with_peft.peft_config["default"].use_dora
+    torch.testing.assert_close(logits(with_peft), expected, rtol=1e-4, atol=1e-5)

@@ -10,14 +10,12 @@ import pytest
 import torch
 
 from automodel.api import load_config
-from automodel.checkpoint.hf_export import load_full_model_state
 from automodel.checkpoint.paths import checkpoint_path
 from automodel.models.builder import build_model
-from automodel.peft import add_adapters
 from tests.helpers import FP32, train
+from tests.peft.exported import EXPORT, exported_run, logits, merged_model, trained_model
 
-LORA = ["peft=lora", "peft.rank=4", "peft.alpha=8", "checkpoint.every_steps=3",
-        "trainer.max_steps=3", "checkpoint.export_hf=true"]
+LORA = ["peft=lora", "peft.rank=4", "peft.alpha=8"]
 
 
 @pytest.fixture(scope="module")
@@ -29,37 +27,16 @@ def base_dir(tmp_path_factory):
     return str(path)
 
 
-def _trained(run: list, step_dir: str):
-    """The model as trained: base + adapters, with the checkpoint's weights."""
-    cfg = load_config(run)
-    model = build_model(cfg.model, seed=0)
-    add_adapters(model, cfg.peft, str(cfg.trainer.loss))
-    state = load_full_model_state(step_dir)
-    assert state and all(".lora_" in k for k in state)  # (the base is referenced, not saved)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    assert not unexpected and not any(".lora_" in k for k in missing)
-    return model.eval()
-
-
-def _logits(model, ids):
-    with torch.no_grad():
-        return model(input_ids=ids).logits
-
-
 def test_the_merged_model_and_the_peft_adapter_give_the_trained_logits(base_dir, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     run = ["model=pretrained", f"model.pretrained_path={base_dir}"] + LORA
-    train(["parallelism=none"] + run, tmp_path)
-    step = checkpoint_path(str(tmp_path / "checkpoints"), 3)
-    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
-    trained = _logits(_trained(run, step), ids)
-    base = _logits(AutoModelForCausalLM.from_pretrained(base_dir).eval(), ids)
+    cfg, step = exported_run(run, tmp_path)
+    trained = logits(trained_model(cfg, step))
+    base = logits(AutoModelForCausalLM.from_pretrained(base_dir).eval())
     assert not torch.allclose(trained, base, atol=1e-3)  # (the adapters moved it)
-
-    merged = AutoModelForCausalLM.from_pretrained(os.path.join(step, "hf")).eval()
-    torch.testing.assert_close(_logits(merged, ids), trained, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(logits(merged_model(step)), trained, rtol=1e-4, atol=1e-5)
 
     adapter = os.path.join(step, "hf_adapter")
     with open(os.path.join(adapter, "adapter_config.json")) as f:
@@ -68,14 +45,14 @@ def test_the_merged_model_and_the_peft_adapter_give_the_trained_logits(base_dir,
     assert config["base_model_name_or_path"] == base_dir
     with_peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir),
                                           adapter).eval()
-    torch.testing.assert_close(_logits(with_peft, ids), trained, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(logits(with_peft), trained, rtol=1e-4, atol=1e-5)
 
 
 def test_a_pipeline_times_tensor_parallel_export_holds_every_stage_and_shard(base_dir,
                                                                              tmp_path):
     from safetensors.torch import load_file
 
-    run = ["model=pretrained", f"model.pretrained_path={base_dir}"] + LORA
+    run = ["model=pretrained", f"model.pretrained_path={base_dir}"] + LORA + EXPORT
     train(["parallelism=none"] + run, tmp_path / "one")
     train(["parallelism=fsdp2", FP32, "pipeline=1f1b", "pipeline.pp_microbatch_size=2",
            "mesh.tp_size=2", "parallelism.sequence_parallel=true"] + run, tmp_path / "pptp")

@@ -91,7 +91,7 @@ def test_the_first_values_are_the_module_s_own_whatever_the_build():
     assert a.abs().max() <= 32 ** -0.5  # kaiming: within 1/sqrt(in)
     other_seed, _ = _adapted(seed=4)
     assert not torch.equal(a, other_seed.model.layers[0].self_attn.q_proj.lora_A.weight)
-    gauss = initial_a("x", 64, 1000, 0, str(LoraInit.gaussian))
+    gauss = initial_a("x", (64, 1000), 0, str(LoraInit.gaussian))
     assert abs(gauss.std().item() - 1 / 64) < 1e-3
 
 

@@ -18,8 +18,6 @@ import pytest
 import torch
 
 from automodel.api import load_config
-from automodel.checkpoint.hf_export import load_full_model_state
-from automodel.checkpoint.paths import checkpoint_path
 from automodel.config.build import ConfigError
 from automodel.config.enums import PeftMethod
 from automodel.config.schema import ModelConfig, PeftConfig
@@ -29,7 +27,8 @@ from automodel.peft import add_adapters, init_adapters
 from automodel.peft.lora import lora_modules
 from automodel.peft.nf4 import dequantized, is_nf4, to_nf4
 from tests.distributed.test_parity import assert_close_to_fp32, assert_matches
-from tests.helpers import FP32, job_overrides, train
+from tests.helpers import FP32, train
+from tests.peft.exported import exported_run, logits, merged_model, trained_model
 
 # (the tiny model's k_proj is 32 x 64 = 32 blocks of 64: scale groups of 8 blocks split in 2)
 QLORA = ["peft=qlora", "peft.rank=4", "peft.alpha=8", "peft.nf4_scaler_block_size=8"]
@@ -153,28 +152,17 @@ def test_qlora_trains_under_the_default_precision(reference, tmp_path):
 
 def test_the_export_gives_the_trained_logits(tmp_path):
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM
 
-    run = QLORA + ["checkpoint.every_steps=3", "trainer.max_steps=3", "checkpoint.export_hf=true"]
-    train(["parallelism=none"] + run, tmp_path)
-    step = checkpoint_path(str(tmp_path / "checkpoints"), 3)
-    cfg = load_config(job_overrides(run))
-    trained = build_model(cfg.model, seed=cfg.trainer.seed)
-    add_adapters(trained, cfg.peft)
-    missing, unexpected = trained.load_state_dict(load_full_model_state(step), strict=False)
-    assert not unexpected and not any(".lora_" in k for k in missing)
-    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+    cfg, step = exported_run(QLORA, tmp_path)
+    trained = trained_model(cfg, step)
+    expected = logits(trained)
+    torch.testing.assert_close(logits(merged_model(step)), expected, rtol=1e-4, atol=1e-5)
+    # the adapter in peft, over the base's NF4 values (over the full-precision base, as QLoRA
+    # adapters are used, it is off by the quantization error)
+    base = build_model(cfg.model, seed=cfg.trainer.seed)
     with torch.no_grad():
-        logits = trained.eval()(input_ids=ids).logits
-        merged = AutoModelForCausalLM.from_pretrained(os.path.join(step, "hf")).eval()
-        torch.testing.assert_close(merged(input_ids=ids).logits, logits, rtol=1e-4, atol=1e-5)
-        # the adapter in peft, over the base's NF4 values (over the full-precision base, as
-        # QLoRA adapters are used, it is off by the quantization error)
-        base = build_model(cfg.model, seed=cfg.trainer.seed)
         for name in lora_modules(trained):
             w = base.get_submodule(name).weight
             w.copy_(dequantized(to_nf4(w, 64, 8)))
-        with_peft = PeftModel.from_pretrained(base, os.path.join(step, "hf_adapter")).eval()
-        torch.testing.assert_close(with_peft(input_ids=ids).logits, logits, rtol=1e-4,
-                                   atol=1e-5)
-
+    with_peft = PeftModel.from_pretrained(base, os.path.join(step, "hf_adapter")).eval()
+    torch.testing.assert_close(logits(with_peft), expected, rtol=1e-4, atol=1e-5)
