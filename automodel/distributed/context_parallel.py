@@ -116,6 +116,9 @@ class ContextParallel:
     ring_group: object = None
     ulysses_group: object = None
     cp_group: object = None  # all cp ranks of this rank's sequences
+    # an image-text model takes whole sequences (its images merge on them) and its language
+    # model splits them (``tp_image_text.split_for_context_parallel``); labels are split here
+    whole_inputs: bool = False
     _index_cache: dict = field(default_factory=dict, repr=False)  # positions, masks
 
     @property
@@ -287,9 +290,18 @@ def apply_cp(part: nn.Module, cp: ContextParallel) -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
+    from automodel.distributed.tp_image_text import language_stack, split_sequence_on_entry
+    from automodel.models.parts import block_fqns
+
     AttentionInterface.register(ATTENTION_NAME, cp.attention)
     AttentionMaskInterface.register(ATTENTION_NAME, _no_mask)
-    part.set_attn_implementation(ATTENTION_NAME)
+    stack = language_stack(part, block_fqns(part))
+    if stack is None:
+        part.set_attn_implementation(ATTENTION_NAME)
+    else:  # (the tower's attention stays its own: whole images on every cp rank)
+        part.get_submodule(stack).set_attn_implementation(ATTENTION_NAME)
+        split_sequence_on_entry(part.get_submodule(stack), cp)
+        cp.whole_inputs = True
     role = getattr(part, "_pipeline_role", None)
     if role is not None:
         part._pipeline_role = replace(role, positions=cp.local_positions)

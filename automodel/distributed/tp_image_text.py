@@ -1,4 +1,5 @@
-"""Sequence parallelism for image-text models: the images are merged on the full sequence.
+"""Sequence and context parallelism for image-text models: the images are merged on the full
+sequence.
 
 An image-text model embeds its tokens, writes the image features over the image tokens'
 embeddings (on the whole sequence: the image positions are anywhere in it) and hands the
@@ -45,3 +46,25 @@ class ShardSequenceOnEntry(ParallelStyle):
 
         module.register_forward_pre_hook(hook, with_kwargs=True)
         return module
+
+
+def split_sequence_on_entry(stack: nn.Module, cp) -> None:
+    """Context parallelism of an image-text model: the language stack (``stack``) takes this
+    cp rank's tokens of the merged ``inputs_embeds`` and of the positions (whole positions
+    made where the model passes none; 3-D rotary positions split on their last dimension),
+    as a text model's step takes its tokens (``ContextParallel.shard``)."""
+    import torch
+
+    def hook(mod, args, kwargs):
+        x = kwargs.get("inputs_embeds")
+        if x is None:
+            return args, kwargs
+        index = cp.positions(x.shape[1], x.device)
+        positions = kwargs.get("position_ids")
+        if positions is None:
+            positions = torch.arange(x.shape[1], device=x.device).expand(x.shape[0], -1)
+        return args, dict(kwargs, inputs_embeds=x.index_select(1, index),
+                          position_ids=positions.index_select(positions.dim() - 1, index))
+
+    # (first: under TP+SP the sequence-parallel split then takes this rank's tokens)
+    stack.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)
