@@ -68,3 +68,29 @@ def split_sequence_on_entry(stack: nn.Module, cp) -> None:
 
     # (first: under TP+SP the sequence-parallel split then takes this rank's tokens)
     stack.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)
+
+
+def context_parallel_refusal(model: nn.Module) -> str | None:
+    """Why an image-text model cannot split its sequences over cp ranks (None: it can, or
+    it is a text model): image tokens that attend both ways; image features added inside
+    the language layers at positions of the whole sequence (deepstack); a language model
+    whose attention implementation cannot be set apart from the tower's."""
+    from automodel.compat import can_set_attn_implementation
+    from automodel.models.multimodal import attends_images_both_ways, forward_inputs
+    from automodel.models.parts import block_fqns
+
+    stack = language_stack(model, block_fqns(model))
+    if stack is None:
+        return None
+    if attends_images_both_ways(model):
+        return ("lets its image tokens attend to each other both ways (it takes "
+                "token_type_ids); the context-parallel attention is causal only")
+    language = model.get_submodule(stack)
+    if "visual_pos_masks" in forward_inputs(language):
+        return ("adds image features inside its language layers at image positions of the "
+                "whole sequence (deepstack)")
+    if not (hasattr(language, "set_attn_implementation")
+            and can_set_attn_implementation(language)):
+        return (f"has a language model ({stack}, {type(language).__name__}) whose attention "
+                "cannot be routed apart from the tower's")
+    return None

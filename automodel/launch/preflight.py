@@ -62,7 +62,7 @@ def check_model_layout(cfg: TrainConfig) -> None:
     except Exception as err:  # transformers' own config checks raise several kinds
         raise ConfigError(f"model: cannot build {_which(cfg)}: {type(err).__name__}: "
                           f"{err}") from None
-    from automodel.models.multimodal import attends_images_both_ways, is_image_text
+    from automodel.models.multimodal import is_image_text
 
     if is_image_text(model.config) and max(m.ep_size, cfg.layout.pp) > 1:
         raise ConfigError(f"{type(model).__name__} is an image-text model: pipeline and "
@@ -70,11 +70,6 @@ def check_model_layout(cfg: TrainConfig) -> None:
                           "this version; keep mesh.pp_size and ep_size at 1 (data, tensor "
                           "and context parallelism: ddp, fsdp2, hsdp, mesh.tp_size, "
                           "mesh.cp_size)")
-    if is_image_text(model.config) and m.cp_size > 1 and attends_images_both_ways(model):
-        raise ConfigError(f"{type(model).__name__} (model_type {model.config.model_type!r}) "
-                          f"with mesh.cp_size={m.cp_size}: its image tokens attend to each "
-                          "other both ways (it takes token_type_ids), and the context-"
-                          "parallel attention is causal only; use mesh.cp_size=1")
     try:
         tp_heads = _check_tp_plan(cfg, model) if m.tp_size > 1 else 1
         if m.cp_size > 1:
