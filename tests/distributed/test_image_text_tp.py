@@ -3,7 +3,7 @@
 - the three presets (LLaVA, Qwen2-VL, Gemma 3) with a trainable tower, one image every other
   sample and one sample per micro-batch (micro-batches without an image), 5 steps: losses
   and gradient norms match one process (fp32); the default precision trains close to fp32;
-- three more families (Mistral 3, Idefics 3, Qwen2.5-VL), one step each, TP2 and TP2+SP;
+- four more families (Mistral 3, Idefics 3, Qwen2.5-VL, Janus), one step each, TP2 and TP2+SP;
 - the effect: the tower's weights whole on every TP rank, the language model's split; under
   SP the first language block takes its rank's half of the sequence, the tower and the merge
   the whole sequence;
@@ -39,7 +39,7 @@ def test_the_default_precision_trains_close_to_fp32(reference, tmp_path):
     assert_close_to_fp32(records, reference(*run), loss_rtol=2e-2)
 
 
-MORE = ["mistral3", "idefics3", "qwen2_5_vl"]
+MORE = ["mistral3", "idefics3", "qwen2_5_vl", "janus"]  # (janus: its image generator has blocks)
 
 
 def _families(rank, world, families):
