@@ -117,7 +117,7 @@ class ContextParallel:
     ulysses_group: object = None
     cp_group: object = None  # all cp ranks of this rank's sequences
     # an image-text model takes whole sequences (its images merge on them) and its language
-    # model splits them (``tp_image_text.split_for_context_parallel``); labels are split here
+    # model splits them (``tp_image_text.split_sequence_on_entry``); labels are split here
     whole_inputs: bool = False
     _index_cache: dict = field(default_factory=dict, repr=False)  # positions, masks
 

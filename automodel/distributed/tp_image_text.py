@@ -64,6 +64,11 @@ def split_sequence_on_entry(stack: nn.Module, cp) -> None:
         x = kwargs.get("inputs_embeds")
         if x is None:
             return args, kwargs
+        if x.shape[1] % (2 * cp.size):
+            raise ValueError(f"mesh.cp_size={cp.size}: {type(mod).__name__} received a sequence of "
+                             f"{x.shape[1]} tokens, which does not split into 2 * cp_size = "
+                             f"{2 * cp.size} equal chunks; make trainer.seq_len a multiple of "
+                             f"{2 * cp.size}")
         index = cp.positions(x.shape[1], x.device)
         positions = kwargs.get("position_ids")
         if positions is None:
