@@ -116,6 +116,9 @@ class ContextParallel:
     ring_group: object = None
     ulysses_group: object = None
     cp_group: object = None  # all cp ranks of this rank's sequences
+    # an image-text model takes whole sequences (its images merge on them) and its language
+    # model splits them (``tp_image_text.split_sequence_on_entry``); labels are split here
+    whole_inputs: bool = False
     _index_cache: dict = field(default_factory=dict, repr=False)  # positions, masks
 
     @property
@@ -232,7 +235,10 @@ def check_model(model: nn.Module, cp: int, ulysses: int, tp_heads: int) -> None:
     """Raise ``ValueError`` if the model's attention cannot be split this way: its heads
     (after ``tp_heads``-way tensor parallelism) over the Ulysses ranks, or a feature the
     exchange does not reproduce. Run before launch on the meta model."""
-    cfg = model.config
+    from automodel.distributed.tp_image_text import context_parallel_refusal
+    from automodel.models.multimodal import text_config
+
+    cfg = text_config(model.config)
     where = f"mesh.cp_size={cp}"
     if getattr(cfg, "attn_logit_softcapping", None) is not None:
         raise ValueError(f"{where}: context parallelism does not support attention logit "
@@ -249,6 +255,10 @@ def check_model(model: nn.Module, cp: int, ulysses: int, tp_heads: int) -> None:
         raise ValueError(f"{where}: {type(model).__name__} does not run its attention through "
                          "transformers' attention interface, which context parallelism "
                          "replaces; use mesh.cp_size=1 for this model")
+    why = _token_mixing_refusal(model, cfg) or context_parallel_refusal(model)
+    if why:
+        raise ValueError(f"{where}: {type(model).__name__} {why}; use mesh.cp_size=1 for "
+                         "this model")
     if ulysses == 1:
         return
     heads = cfg.num_attention_heads
@@ -262,6 +272,24 @@ def check_model(model: nn.Module, cp: int, ulysses: int, tp_heads: int) -> None:
                 f"mesh.cp_ulysses_size={ulysses} must divide the attention heads: the model "
                 f"has {key}={value}{split}; choose a cp_ulysses_size that divides {local} "
                 "(the rest of mesh.cp_size runs as ring)")
+
+
+def _token_mixing_refusal(model: nn.Module, cfg) -> str | None:
+    """What in the model mixes tokens outside causal attention, which the exchange splits
+    (each rank would see only its own tokens there); None: nothing."""
+    kinds = set(getattr(cfg, "layer_types", None) or ()) - {"full_attention",
+                                                            "sliding_attention"}
+    if kinds:
+        return (f"has layers of type {', '.join(sorted(kinds))} (layer_types), which mix "
+                "tokens outside the attention that context parallelism exchanges")
+    if getattr(cfg, "use_bidirectional_attention", False):
+        return ("attends both ways (use_bidirectional_attention=true); the context-parallel "
+                "attention is causal only")
+    indexers = [n for n, _ in model.named_modules() if n.rsplit(".", 1)[-1] == "indexer"]
+    if indexers:
+        return (f"chooses each query's keys with a token indexer ({indexers[0]}), which reads "
+                "the whole sequence")
+    return None
 
 
 def build_context_parallel(mesh) -> ContextParallel | None:
@@ -287,9 +315,18 @@ def apply_cp(part: nn.Module, cp: ContextParallel) -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
+    from automodel.distributed.tp_image_text import language_stack, split_sequence_on_entry
+    from automodel.models.parts import block_fqns
+
     AttentionInterface.register(ATTENTION_NAME, cp.attention)
     AttentionMaskInterface.register(ATTENTION_NAME, _no_mask)
-    part.set_attn_implementation(ATTENTION_NAME)
+    stack = language_stack(part, block_fqns(part))
+    if stack is None:
+        part.set_attn_implementation(ATTENTION_NAME)
+    else:  # (the tower's attention stays its own: whole images on every cp rank)
+        part.get_submodule(stack).set_attn_implementation(ATTENTION_NAME)
+        split_sequence_on_entry(part.get_submodule(stack), cp)
+        cp.whole_inputs = True
     role = getattr(part, "_pipeline_role", None)
     if role is not None:
         part._pipeline_role = replace(role, positions=cp.local_positions)

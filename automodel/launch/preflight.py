@@ -64,11 +64,12 @@ def check_model_layout(cfg: TrainConfig) -> None:
                           f"{err}") from None
     from automodel.models.multimodal import is_image_text
 
-    if is_image_text(model.config) and max(m.cp_size, m.ep_size, cfg.layout.pp) > 1:
-        raise ConfigError(f"{type(model).__name__} is an image-text model: context, "
-                          "pipeline and expert parallelism are not available for image-text "
-                          "models in this version; keep mesh.cp_size, pp_size and ep_size at "
-                          "1 (data and tensor parallelism: ddp, fsdp2, hsdp, mesh.tp_size)")
+    if is_image_text(model.config) and max(m.ep_size, cfg.layout.pp) > 1:
+        raise ConfigError(f"{type(model).__name__} is an image-text model: pipeline and "
+                          "expert parallelism are not available for image-text models in "
+                          "this version; keep mesh.pp_size and ep_size at 1 (data, tensor "
+                          "and context parallelism: ddp, fsdp2, hsdp, mesh.tp_size, "
+                          "mesh.cp_size)")
     try:
         tp_heads = _check_tp_plan(cfg, model) if m.tp_size > 1 else 1
         if m.cp_size > 1:

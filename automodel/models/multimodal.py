@@ -48,6 +48,12 @@ def forward_inputs(model: nn.Module) -> set[str]:
 IMAGE_TOKEN_MASKS = ("token_type_ids", "mm_token_type_ids")
 
 
+def attends_images_both_ways(model: nn.Module) -> bool:
+    """Whether the model's image tokens attend to each other both ways (it takes
+    ``token_type_ids`` to mark them: Gemma 3, PaliGemma's prefix)."""
+    return IMAGE_TOKEN_MASKS[0] in forward_inputs(model)
+
+
 def derives_positions(model: nn.Module) -> bool:
     """Whether the model computes its own (multi-axis rotary) positions from the image grid
     (Qwen2-VL families): the step must then pass no ``position_ids``."""

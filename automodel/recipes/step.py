@@ -164,6 +164,8 @@ def sequence_shard(inputs: torch.Tensor, labels: torch.Tensor, setup: Distribute
     cp = setup.cp
     if cp is None:
         return inputs, labels, torch.arange(inputs.shape[1], device=inputs.device)
+    if cp.whole_inputs:  # (an image-text model: its language model takes its tokens)
+        return inputs, cp.shard(labels), torch.arange(inputs.shape[1], device=inputs.device)
     return (cp.shard(inputs), cp.shard(labels),
             cp.positions(inputs.shape[1], inputs.device))
 

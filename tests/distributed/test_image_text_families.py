@@ -112,7 +112,8 @@ def _batch(cfg):
 
     meta = build_meta_model(cfg.model)
     fmt, count = synthetic_format(meta.config, meta, seed=0)
-    rows = torch.randint(0, 250, (4, count + 9), generator=torch.Generator().manual_seed(0))
+    width = -(-(count + 8) // 8) * 8 + 1  # (inputs a multiple of 8 tokens: 2 * cp for cp 4)
+    rows = torch.randint(0, 250, (4, width), generator=torch.Generator().manual_seed(0))
     return add_images(rows, fmt, count, image_every=4)
 
 

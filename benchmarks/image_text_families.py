@@ -1,0 +1,101 @@
+"""Every covered image-text family under each model-parallel layout: the table in
+docs/image_text.md#layouts.
+
+Each family of ``tests/distributed/test_image_text_families.COVERED`` is made tiny from its
+own default config (``tests/tiny_image_text.py``) and fed the suite's batch (four rows, one
+image). Rank 0 runs the preflight's model checks first (a ``ConfigError`` is the row's
+``refused``); otherwise one training step (fp32) under the layout is compared with the same
+step in one process: ``ok`` within 1e-5 (loss) and 1e-4 (gradient norm) relative, else
+``MISMATCH`` with both deviations, or ``ERROR`` with the exception.
+
+    python benchmarks/image_text_families.py                       # cp2 on every family
+    python benchmarks/image_text_families.py --layouts tp2,tp2_sp --only llava,qwen2_vl
+    python benchmarks/image_text_families.py --layouts tp2_sp_cp2    # (4 ranks)
+"""
+
+import argparse
+import dataclasses
+import pathlib
+import sys
+import tempfile
+import warnings
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from tests.distributed.test_image_text_families import COVERED, _batch, _one_step, _with_model  # noqa: E402
+from tests.helpers import FP32, run_on_ranks  # noqa: E402
+
+SP = ["parallelism.sequence_parallel=true"]
+LAYOUTS = {  # name: (ranks, overrides)
+    "tp2": (2, ["mesh.tp_size=2"]),
+    "tp2_sp": (2, ["mesh.tp_size=2"] + SP),
+    "cp2": (2, ["mesh.cp_size=2"]),
+    "tp2_sp_cp2": (4, ["mesh.tp_size=2", "mesh.cp_size=2"] + SP),
+}
+
+
+def _refusal(run) -> list:
+    """[the preflight's refusal on rank 0, or None], the same on every rank."""
+    from automodel.config.build import ConfigError
+    from automodel.launch.preflight import check_model_layout
+
+    why = [None]
+    if torch.distributed.get_rank() == 0:
+        try:
+            check_model_layout(run)
+        except ConfigError as err:
+            why = [str(err).splitlines()[0][:240]]
+    torch.distributed.broadcast_object_list(why, src=0)
+    return why
+
+
+def _sweep(rank, world, cfg, families):
+    from automodel.distributed.init import DistInfo
+    from automodel.recipes.train import build_setup
+
+    warnings.simplefilter("ignore")
+    info = DistInfo("gloo", torch.device("cpu"), rank, world, rank)
+    rows = {}
+    for family in families:
+        try:
+            run = _with_model(cfg, family)
+            why = _refusal(run)
+            if why[0] is not None:
+                rows[family] = f"REFUSED {why[0]}"
+                continue
+            data = _batch(run)
+            setup = build_setup(run, info)
+            one = dataclasses.replace(setup, strategy="none", mesh=None, cp=None)
+            (loss, norm), (loss_1, norm_1) = (_one_step(run, setup, data, slice(0, 4)),
+                                              _one_step(run, one, data, slice(0, 4)))
+            dl, dn = loss / loss_1 - 1, norm / norm_1 - 1
+            rows[family] = ("ok" if abs(dl) < 1e-5 and abs(dn) < 1e-4 else "MISMATCH") \
+                + f" {dl:.1e} {dn:.1e}"
+        except Exception as err:  # (a row, not the end of the sweep)
+            rows[family] = f"ERROR {type(err).__name__}: {str(err)[:200]}"
+            torch.distributed.barrier()
+    return rows
+
+
+def main() -> None:
+    from automodel.api import load_config
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layouts", default="cp2", help=",".join(LAYOUTS))
+    parser.add_argument("--only", default=",".join(COVERED))
+    args = parser.parse_args()
+    families = args.only.split(",")
+    for layout in args.layouts.split(","):
+        ranks, over = LAYOUTS[layout]
+        tmp = pathlib.Path(tempfile.mkdtemp())
+        cfg = load_config(["parallelism=fsdp2", FP32, "mesh.dp_size=1", "model=llava_tiny",
+                           "data=synthetic", "trainer.global_batch_size=4", *over], str(tmp))
+        rows = run_on_ranks(_sweep, ranks, cfg, families, tmp_path=tmp)[0]
+        for family in families:
+            print(layout, family, rows[family], flush=True)
+
+
+if __name__ == "__main__":
+    main()

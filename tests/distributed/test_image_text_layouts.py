@@ -1,0 +1,229 @@
+"""Image-text models under tensor parallelism (with and without sequence parallelism) and
+context parallelism.
+
+- the three presets (LLaVA, Qwen2-VL, Gemma 3) with a trainable tower, one image every other
+  sample and one sample per micro-batch (micro-batches without an image), 5 steps: losses
+  and gradient norms match one process (fp32) under TP2, TP2+SP and CP2 (Gemma 3: refused
+  under CP), Qwen2-VL under TP2+SP x CP2; the default precision trains close to fp32;
+- four more families (Mistral 3, Idefics 3, Qwen2.5-VL, Janus), one step each, TP2, TP2+SP
+  and CP2;
+- the effect: the tower's weights whole on every TP rank, the language model's split; under
+  SP and CP the first language block takes its rank's part of the sequence, the tower and the
+  merge the whole sequence;
+- what a family cannot do is refused before launch, naming the layer or the reason.
+"""
+
+import dataclasses
+import warnings
+
+import pytest
+import torch
+
+from tests.distributed.test_image_text_families import _batch, _one_step, _with_model
+from tests.distributed.test_parity import assert_close_to_fp32, assert_matches
+from tests.helpers import FP32, run_on_ranks, train
+
+TP2 = ["parallelism=fsdp2", FP32, "mesh.tp_size=2"]
+SP = ["parallelism.sequence_parallel=true"]
+CP2 = ["parallelism=fsdp2", FP32, "mesh.cp_size=2"]
+LAYOUTS = {"tp2": TP2, "tp2_sp": TP2 + SP, "cp2": CP2}
+MIXED = ["data.image_every=2"]  # (one sample per micro-batch: half of them have no image)
+
+
+@pytest.mark.parametrize("preset,layout", [
+    (preset, layout) for preset in ("llava_tiny", "qwen2_vl_tiny", "gemma3_vl_tiny")
+    for layout in LAYOUTS if (preset, layout) != ("gemma3_vl_tiny", "cp2")]
+    + [("qwen2_vl_tiny", "tp2_sp_cp2")])
+def test_presets_match_one_process(preset, layout, reference, tmp_path):
+    run = [f"model={preset}"] + MIXED
+    over = (TP2 + SP + ["mesh.cp_size=2", "distributed.nproc_per_node=4"]
+            if layout == "tp2_sp_cp2" else LAYOUTS[layout])
+    records = train(over + ["trainer.local_batch_size=1"] + run, tmp_path)
+    assert_matches(records, reference(*run))
+
+
+@pytest.mark.parametrize("layout", ["tp2_sp", "cp2"])
+def test_the_default_precision_trains_close_to_fp32(layout, reference, tmp_path):
+    run = ["model=llava_tiny"] + MIXED
+    records = train([o for o in LAYOUTS[layout] if o != FP32] + run, tmp_path)
+    assert_close_to_fp32(records, reference(*run), loss_rtol=2e-2)
+
+
+MORE = ["mistral3", "idefics3", "qwen2_5_vl", "janus"]  # (janus: its image generator has blocks)
+
+
+def _families(rank, world, families):
+    from automodel.api import load_config
+    from automodel.distributed.init import DistInfo
+    from automodel.recipes.train import build_setup
+
+    warnings.simplefilter("ignore")
+    info = DistInfo("gloo", torch.device("cpu"), rank, world, rank)
+    out = {}
+    for layout, over in LAYOUTS.items():
+        cfg = load_config(over + ["mesh.dp_size=1", "model=llava_tiny", "data=synthetic",
+                                  "trainer.global_batch_size=4"])
+        for family in families:
+            run = _with_model(cfg, family)
+            data = _batch(run)  # (4 rows, one image)
+            setup = build_setup(run, info)
+            one = dataclasses.replace(setup, strategy="none", mesh=None, cp=None)
+            out[family, layout] = (_one_step(run, setup, data, slice(0, 4)),
+                                   _one_step(run, one, data, slice(0, 4)))
+    return out
+
+
+def test_more_families_take_one_step_like_one_process(tmp_path):
+    ranks = run_on_ranks(_families, 2, MORE, tmp_path=tmp_path)
+    for key, (tp, one) in ranks[0].items():
+        assert ranks[1][key][0] == tp, key  # (one loss and norm on both ranks)
+        assert tp == pytest.approx(one, rel=1e-5), key
+
+
+SEEN = {"tp2": ["mesh.tp_size=2"], "tp2_sp": ["mesh.tp_size=2"] + SP, "cp2": ["mesh.cp_size=2"]}
+
+
+def _seen(rank, world, layout):
+    """Placements of the tower's and the language model's weights over TP, what the tower's
+    first block and the first language block receive in one step, and the positions the
+    language model is handed."""
+    from torch.distributed.tensor import DTensor
+
+    from automodel.recipes.step import train_step
+    from tests.distributed.test_placement_effects import parallel_model
+
+    cfg, setup, parallel = parallel_model(rank, world, SEEN[layout] + ["mesh.dp_size=1",
+                                                                       "model=llava_tiny"])
+    model = parallel.parts[0]
+    placed = {  # the TP dim (the last of FSDP2 x TP) of a weight, or "whole"
+        n.replace("_checkpoint_wrapped_module.", ""):
+        (type(p.placements[-1]).__name__ if isinstance(p, DTensor)
+         and p.device_mesh.mesh_dim_names[-1] == "tp" else "whole")
+        for n, p in model.named_parameters()}
+    inputs = {}
+
+    def record(name):
+        def hook(module, args, kwargs):
+            x = kwargs.get("hidden_states", args[0] if args else None)
+            local = x.to_local() if isinstance(x, DTensor) else x
+            inputs[name] = (type(x).__name__, tuple(x.shape), tuple(local.shape))
+            if "position_ids" in kwargs:
+                inputs[name + " positions"] = kwargs["position_ids"][0].tolist()
+        return hook
+
+    inner = model.model
+    inner.language_model.layers[0].register_forward_pre_hook(record("language"),
+                                                             with_kwargs=True)
+    inner.vision_tower.encoder.layers[0].register_forward_pre_hook(
+        record("tower"), with_kwargs=True)
+    data = _batch(cfg)  # (4 rows, one image)
+    train_step(model, setup, [data[slice(0, 4)].split()], None, head_loss=parallel.head_loss)
+    return placed, inputs
+
+
+@pytest.mark.parametrize("layout", SEEN)
+def test_the_tower_stays_whole_and_the_language_model_takes_sequence_shards(layout, tmp_path):
+    (placed, inputs), (placed_1, inputs_1) = run_on_ranks(_seen, 2, layout, tmp_path=tmp_path)
+    tower = {n: v for n, v in placed.items() if ".vision_tower." in n}
+    assert tower and set(tower.values()) == {"whole"}  # (replicated over TP, not split)
+    layer = "model.language_model.layers.0."
+    split = "whole" if layout == "cp2" else "Shard"
+    assert placed[layer + "self_attn.q_proj.weight"] == split
+    assert placed[layer + "mlp.down_proj.weight"] == split
+    kind, whole, local = inputs["language"]
+    assert inputs["tower"][1] == inputs["tower"][2]  # (the tower: whole images on each rank)
+    assert inputs["tower"] == inputs_1["tower"]
+    if layout == "tp2_sp":  # each TP rank its half of the merged sequence, a DTensor
+        assert kind == "DTensor" and local == (whole[0], whole[1] // 2, whole[2])
+    elif layout == "cp2":  # each cp rank its two chunks (of four) of the merged sequence
+        length = 2 * whole[1]
+        chunk = length // 4
+        assert kind == "Tensor" and inputs_1["language"] == inputs["language"]
+        assert inputs["language positions"] == [*range(chunk), *range(3 * chunk, length)]
+        assert inputs_1["language positions"] == [*range(chunk, 3 * chunk)]
+    else:
+        assert kind == "Tensor" and local == whole
+    if layout != "cp2":
+        assert placed == placed_1 and inputs == inputs_1
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("family,sp,expected", [
+    ("paligemma", False, "must divide the model's num_key_value_heads=1 "
+                         "(model.config.text_config.num_key_value_heads)"),
+    ("glm5_next", False, "layers.0.self_attn (Glm5NextTextLinearAttention): the plan splits "
+                         "its output projection by input ('rowwise') but none of its input "
+                         "projections by output"),
+    ("qwen3_vl", True, "layers.0.self_attn (Qwen3VLTextAttention) has no row-wise projection "
+                       "in the plan"),
+    ("step3p7", True, "layers.0.mlp (Step3p7MLP) has no row-wise projection in the plan"),
+    ("qwen3_vl_moe", False, "uses style 'packed_colwise'"),
+])
+def test_what_a_family_s_plan_cannot_do_is_refused_before_launch(family, sp, expected):
+    from automodel.api import load_config
+    from automodel.config.build import ConfigError
+    from automodel.launch.preflight import check_model_layout
+
+    cfg = load_config(TP2 + (SP if sp else []) + ["mesh.dp_size=1", "model=llava_tiny",
+                                                  "data=synthetic"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(ConfigError) as info:
+            check_model_layout(_with_model(cfg, family))
+    assert expected in str(info.value)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("family,expected", [
+    ("gemma3", "lets its image tokens attend to each other both ways (it takes "
+               "token_type_ids)"),
+    ("qwen3_vl", "adds image features inside its language layers at image positions of the "
+                 "whole sequence (deepstack)"),
+    ("qwen3_5", "has layers of type linear_attention (layer_types)"),
+    ("lfm3_vl", "has layers of type conv (layer_types)"),
+    ("mistral_large4", "has layers of type indexed_attention (layer_types)"),
+    ("got_ocr2", "does not run its attention through transformers' attention interface"),
+])
+def test_what_a_family_cannot_split_over_cp_ranks_is_refused_before_launch(family, expected):
+    from automodel.api import load_config
+    from automodel.config.build import ConfigError
+    from automodel.launch.preflight import check_model_layout
+
+    cfg = load_config(CP2 + ["mesh.dp_size=1", "model=llava_tiny", "data=synthetic"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(ConfigError) as info:
+            check_model_layout(_with_model(cfg, family))
+    assert "mesh.cp_size=2" in str(info.value) and expected in str(info.value)
+
+
+@pytest.mark.fast
+def test_a_sequence_that_does_not_split_into_cp_chunks_is_refused():
+    from automodel.distributed.context_parallel import ContextParallel
+    from automodel.distributed.tp_image_text import split_sequence_on_entry
+
+    class Stack(torch.nn.Module):
+        def forward(self, inputs_embeds=None, position_ids=None):
+            return inputs_embeds, position_ids
+
+    stack = Stack()
+    split_sequence_on_entry(stack, ContextParallel(ring_size=2, ulysses_size=1, ring_rank=0,
+                                                   ulysses_rank=0))
+    embeds, positions = stack(inputs_embeds=torch.arange(8.0).reshape(1, 8, 1))
+    assert embeds.flatten().tolist() == [0, 1, 6, 7] and positions.tolist() == [[0, 1, 6, 7]]
+    with pytest.raises(ValueError, match="received a sequence of 9 tokens, which does not "
+                                         "split into 2 \\* cp_size = 4 equal chunks"):
+        stack(inputs_embeds=torch.ones(1, 9, 1))
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("layout", [["pipeline=1f1b"], ["mesh.ep_size=2"]])
+def test_other_model_parallel_layouts_are_still_refused(layout):
+    from automodel.api import load_config
+    from automodel.config.build import ConfigError
+    from automodel.launch.preflight import check_model_layout
+
+    cfg = load_config(["parallelism=fsdp2", "model=llava_tiny", "data=synthetic"] + layout)
+    with pytest.raises(ConfigError, match="pipeline and expert parallelism are not "
+                                          "available for image-text models"):
+        check_model_layout(cfg)
