@@ -10,7 +10,7 @@ step in one process: ``ok`` within 1e-5 (loss) and 1e-4 (gradient norm) relative
 
     python benchmarks/image_text_families.py                       # cp2 on every family
     python benchmarks/image_text_families.py --layouts tp2,tp2_sp --only llava,qwen2_vl
-    python benchmarks/image_text_families.py --layouts tp2_sp_cp2    # (4 ranks)
+    python benchmarks/image_text_families.py --layouts tp2_sp_cp2,pp2_tp2_sp    # (4 ranks)
 """
 
 import argparse
@@ -25,6 +25,7 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from tests.distributed.test_image_text_families import COVERED, _batch, _one_step, _with_model  # noqa: E402
+from tests.distributed.test_image_text_layouts import _pipeline_step  # noqa: E402
 from tests.helpers import FP32, run_on_ranks  # noqa: E402
 
 SP = ["parallelism.sequence_parallel=true"]
@@ -33,6 +34,10 @@ LAYOUTS = {  # name: (ranks, overrides)
     "tp2_sp": (2, ["mesh.tp_size=2"] + SP),
     "cp2": (2, ["mesh.cp_size=2"]),
     "tp2_sp_cp2": (4, ["mesh.tp_size=2", "mesh.cp_size=2"] + SP),
+    "pp2_1f1b": (2, ["pipeline=1f1b", "pipeline.pp_microbatch_size=1"]),
+    "pp2_interleaved": (2, ["pipeline=interleaved", "pipeline.pp_microbatch_size=1"]),
+    "pp2_tp2_sp": (4, ["pipeline=1f1b", "pipeline.pp_microbatch_size=1", "mesh.tp_size=2"]
+                   + SP),
 }
 
 
@@ -51,7 +56,8 @@ def _refusal(run) -> list:
     return why
 
 
-def _sweep(rank, world, cfg, families):
+def _sweep(rank, world, cfg, plain, families):
+    """``plain``: the same config without the layout (the one-process step's)."""
     from automodel.distributed.init import DistInfo
     from automodel.recipes.train import build_setup
 
@@ -67,9 +73,13 @@ def _sweep(rank, world, cfg, families):
                 continue
             data = _batch(run)
             setup = build_setup(run, info)
-            one = dataclasses.replace(setup, strategy="none", mesh=None, cp=None)
-            (loss, norm), (loss_1, norm_1) = (_one_step(run, setup, data, slice(0, 4)),
-                                              _one_step(run, one, data, slice(0, 4)))
+            alone = _with_model(plain, family)
+            one = dataclasses.replace(build_setup(alone, info), strategy="none", mesh=None,
+                                      cp=None)
+            (loss, norm), (loss_1, norm_1) = (
+                _pipeline_step(run, setup, data) if setup.pp_enabled
+                else _one_step(run, setup, data, slice(0, 4)),
+                _one_step(alone, one, data, slice(0, 4)))
             dl, dn = loss / loss_1 - 1, norm / norm_1 - 1
             rows[family] = ("ok" if abs(dl) < 1e-5 and abs(dn) < 1e-4 else "MISMATCH") \
                 + f" {dl:.1e} {dn:.1e}"
@@ -90,9 +100,11 @@ def main() -> None:
     for layout in args.layouts.split(","):
         ranks, over = LAYOUTS[layout]
         tmp = pathlib.Path(tempfile.mkdtemp())
-        cfg = load_config(["parallelism=fsdp2", FP32, "mesh.dp_size=1", "model=llava_tiny",
-                           "data=synthetic", "trainer.global_batch_size=4", *over], str(tmp))
-        rows = run_on_ranks(_sweep, ranks, cfg, families, tmp_path=tmp)[0]
+        base = ["parallelism=fsdp2", FP32, "model=llava_tiny", "data=synthetic",
+                "trainer.global_batch_size=4", f"distributed.nproc_per_node={ranks}"]
+        cfg = load_config(base + ["mesh.dp_size=1", *over], str(tmp))
+        plain = load_config(base, str(tmp))
+        rows = run_on_ranks(_sweep, ranks, cfg, plain, families, tmp_path=tmp)[0]
         for family in families:
             print(layout, family, rows[family], flush=True)
 

@@ -98,3 +98,13 @@ def causal_lm_class(config):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM._model_mapping[type(config)]
+
+
+def input_embeddings(model):
+    """``model.get_input_embeddings()``, or None where the model holds none: a pipeline stage
+    after the first, whose embedding was removed (transformers' automatic lookup raises
+    ``NotImplementedError`` for some families' language models then, e.g. Qwen2-VL's)."""
+    try:
+        return model.get_input_embeddings()
+    except (NotImplementedError, AttributeError):
+        return None

@@ -106,12 +106,15 @@ class BatchPlan:
         per_rank = self.global_batch_size // dp_size
         return self.global_batch(step)[dp_rank * per_rank:(dp_rank + 1) * per_rank]
 
-    def micro_batches(self, step: int, dp_rank: int, dp_size: int, local_batch_size: int):
+    def micro_batches(self, step: int, dp_rank: int, dp_size: int, local_batch_size: int,
+                      placeholder_row: bool = True):
         """[(input_ids, labels), ...] for this data-parallel rank at ``step``; rows with extra
-        model inputs give (input_ids, labels, extras)."""
+        model inputs give (input_ids, labels, extras) (``placeholder_row``: see
+        ``ImageTextData.split``)."""
         mine = self.rank_rows(step, dp_rank, dp_size)
         if not isinstance(mine, torch.Tensor):
-            return [mine[i:i + local_batch_size].split()
+            options = {} if placeholder_row else {"placeholder_row": False}
+            return [mine[i:i + local_batch_size].split(**options)
                     for i in range(0, len(mine), local_batch_size)]
         return [(mb[:, :-1].contiguous(), mb[:, 1:].contiguous())
                 for mb in mine.split(local_batch_size)]

@@ -20,6 +20,8 @@ import torch
 
 from automodel.data.batches import IGNORE_INDEX
 
+BLANK_IMAGE = "blank_image"  # extras of rows without images under a pipeline (``split``)
+
 
 @dataclass(frozen=True)
 class ImageFormat:
@@ -52,7 +54,7 @@ class ImageTextData:
                   else [self.images[i] for i in torch.as_tensor(index).tolist()])
         return ImageTextData(self.sequences[index], self.lengths[index], picked, self.fmt)
 
-    def split(self) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    def split(self, placeholder_row: bool = True) -> tuple[torch.Tensor, torch.Tensor, dict]:
         """(inputs, labels, extras) of these rows; extras hold the images' model inputs in row
         order (the order the model meets their image tokens), the image-token masks the model
         takes, and ``position_ids=None`` where the model derives its own positions.
@@ -61,16 +63,23 @@ class ImageTextData:
         tokens, with no label to learn. So every micro-batch runs the vision tower and the
         projector, and every rank reduces the same gradients (a rank skipping them would leave
         the others waiting in FSDP2 or DDP); the placeholder adds nothing to the loss and
-        zeros to the gradients."""
-        rows = self if any(self.images) else self._with_placeholder()
+        zeros to the gradients. ``placeholder_row=False`` (a pipeline, whose micro-batches
+        keep one shape): no row; the extras hold the blank image's inputs under
+        ``BLANK_IMAGE: True``, for the first stage to run the tower on
+        (``distributed/pipelining/stage_images.py``)."""
+        blank = not any(self.images) and not placeholder_row
+        rows = self if any(self.images) or blank else self._with_placeholder()
         fmt = self.fmt
         inputs = rows.sequences[:, :-1].contiguous()
         labels = rows.sequences[:, 1:].clone()
         labels[labels == fmt.image_token_id] = IGNORE_INDEX
         position = torch.arange(labels.shape[1])
         labels[position >= (rows.lengths - 1).unsqueeze(1)] = IGNORE_INDEX
-        loaded = [fmt.load(ref) for refs in rows.images for ref in refs]
+        loaded = ([fmt.load(fmt.placeholder[1])] if blank
+                  else [fmt.load(ref) for refs in rows.images for ref in refs])
         extras: dict = {key: torch.cat([image[key] for image in loaded]) for key in loaded[0]}
+        if blank:
+            extras[BLANK_IMAGE] = True
         for key in fmt.token_masks:
             extras[key] = (inputs == fmt.image_token_id).long()
         if fmt.model_positions:

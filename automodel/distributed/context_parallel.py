@@ -315,7 +315,8 @@ def apply_cp(part: nn.Module, cp: ContextParallel) -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    from automodel.distributed.tp_image_text import language_stack, split_sequence_on_entry
+    from automodel.distributed.tp_image_text import split_sequence_on_entry
+    from automodel.models.multimodal import language_stack
     from automodel.models.parts import block_fqns
 
     AttentionInterface.register(ATTENTION_NAME, cp.attention)

@@ -29,6 +29,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from automodel.compat import input_embeddings
 from automodel.config.tp_styles import shards_vocab, style_problem
 from automodel.distributed.tp_extra_styles import (
     AllReduceOutput,
@@ -40,8 +41,9 @@ from automodel.distributed.tp_extra_styles import (
     ReplicatedWithGradAllReduce,
 )
 from automodel.distributed.tp_heads import localize_head_counts
-from automodel.distributed.tp_image_text import ShardSequenceOnEntry, language_stack
+from automodel.distributed.tp_image_text import ShardSequenceOnEntry
 from automodel.distributed.tp_lora_styles import lora_style
+from automodel.models.multimodal import language_stack
 from automodel.models.tp_plans import matches
 from automodel.peft.lora import LoraLinear
 
@@ -192,7 +194,7 @@ def check_divisibility(model: nn.Module, concrete: dict[str, str], tp: int) -> N
                                  "heads; "
                                  "choose a tp_size that divides it")
     vocab = getattr(cfg, "vocab_size", None)
-    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    embedding, head = input_embeddings(model), model.get_output_embeddings()
     for fqn, style in concrete.items():
         module = _module_or_none(model, fqn)
         if module is None or module not in (embedding, head) or not isinstance(vocab, int):
@@ -349,7 +351,7 @@ def _retie_embeddings(model: nn.Module) -> None:
     """``parallelize_module`` gives every module new parameters, which unties tied embeddings."""
     if not getattr(model.config, "tie_word_embeddings", False):
         return
-    inp, out = model.get_input_embeddings(), model.get_output_embeddings()
+    inp, out = input_embeddings(model), model.get_output_embeddings()
     if inp is None or out is None or out.weight is inp.weight:
         return
     a, b = inp.weight, out.weight

@@ -20,23 +20,6 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
 
-def language_stack(model: nn.Module, block_fqns: list[str]) -> str | None:
-    """For an image-text model, the name of the module that runs its language blocks (the
-    model's own ``get_decoder()``, e.g. ``model.language_model``; else the parent of the
-    first language block's list); None for a text model."""
-    from automodel.models.multimodal import is_image_text
-    from automodel.models.parts import group_of
-
-    if not is_image_text(model.config):
-        return None
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
-    named = next((n for n, m in model.named_modules() if m is decoder and n), None)
-    if named is not None:
-        return named
-    language = [b for b in block_fqns if group_of(b) == "language"]
-    return language[0].rsplit(".", 2)[0] if language else None
-
-
 class ShardSequenceOnEntry(ParallelStyle):
     """The language stack's ``inputs_embeds`` (whole, replicated over TP) as a ``Shard(1)``
     DTensor: this rank's chunk of the sequence, the full length reported."""
@@ -86,7 +69,7 @@ def context_parallel_refusal(model: nn.Module) -> str | None:
     the language layers at positions of the whole sequence (deepstack); a language model
     whose attention implementation cannot be set apart from the tower's."""
     from automodel.compat import can_set_attn_implementation
-    from automodel.models.multimodal import attends_images_both_ways, forward_inputs
+    from automodel.models.multimodal import attends_images_both_ways, forward_inputs, language_stack
     from automodel.models.parts import block_fqns
 
     stack = language_stack(model, block_fqns(model))

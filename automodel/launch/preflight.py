@@ -64,12 +64,8 @@ def check_model_layout(cfg: TrainConfig) -> None:
                           f"{err}") from None
     from automodel.models.multimodal import is_image_text
 
-    if is_image_text(model.config) and max(m.ep_size, cfg.layout.pp) > 1:
-        raise ConfigError(f"{type(model).__name__} is an image-text model: pipeline and "
-                          "expert parallelism are not available for image-text models in "
-                          "this version; keep mesh.pp_size and ep_size at 1 (data, tensor "
-                          "and context parallelism: ddp, fsdp2, hsdp, mesh.tp_size, "
-                          "mesh.cp_size)")
+    if is_image_text(model.config):
+        _check_image_text_layout(model, m, cfg.layout.pp)
     try:
         tp_heads = _check_tp_plan(cfg, model) if m.tp_size > 1 else 1
         if m.cp_size > 1:
@@ -85,6 +81,20 @@ def check_model_layout(cfg: TrainConfig) -> None:
                 contents_from_fqns(model, anatomy, cfg.pipeline.module_fqns_per_model_part)
     except ValueError as err:  # (ConfigError is one)
         raise ConfigError(str(err)) from None
+
+
+def _check_image_text_layout(model, m, pp: int) -> None:
+    """The layouts an image-text model cannot take in this version."""
+    name = type(model).__name__
+    if m.ep_size > 1:
+        raise ConfigError(f"{name} is an image-text model: expert parallelism is not "
+                          "available for image-text models in this version; keep "
+                          "mesh.ep_size=1")
+    if pp > 1 and m.cp_size > 1:
+        raise ConfigError(f"{name} is an image-text model: a pipeline with context "
+                          f"parallelism (mesh.pp_size={pp}, mesh.cp_size={m.cp_size}) is not "
+                          "available for image-text models in this version (each takes "
+                          "them alone); keep one of the two at 1")
 
 
 def _check_tp_plan(cfg: TrainConfig, model) -> int:

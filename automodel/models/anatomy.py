@@ -37,6 +37,9 @@ class Anatomy:
     head: str  # FQN of the LM head in the causal LM
     num_layers: int
     source: str  # "base_model_pp_plan" or "forward" (the stack's forward's source)
+    # FQNs (in the causal LM) of modules beside the stack that run before it, on the first
+    # stage: an image-text model's vision tower and projector (the stack is its language model)
+    front: tuple = ()
 
     def fqn(self, child: str) -> str:
         return f"{self.stack}.{child}"
@@ -70,7 +73,8 @@ def find_anatomy(model: nn.Module) -> Anatomy:
     if head is None:
         raise AnatomyError(f"pipeline split of {family}: no LM head (get_output_embeddings() is "
                            "not a direct child of the model)")
-    stack_fqn, layers = _find_layers(model, prefix, family)
+    language = _language_model(model)
+    stack_fqn, layers = _find_layers(model, language or prefix, family)
     stack = model.get_submodule(stack_fqn)
     embed = _child_name(stack, model.get_input_embeddings())
     if embed is None:
@@ -92,7 +96,9 @@ def find_anatomy(model: nn.Module) -> Anatomy:
                            f"run before the layers {layers!r}")
     placed = {embed, layers, *before, *after}
     stray = [f"{stack_fqn}.{n}" for n, m in named.items() if n not in placed and has_params(m)]
-    stray += _stray_on_path(model, stack_fqn, head)
+    beside = _stray_on_path(model, stack_fqn, head)
+    front = tuple(n for n in beside if language and n.startswith(prefix + "."))
+    stray += [n for n in beside if n not in front]
     if stray:
         raise AnatomyError(
             f"pipeline split of {family}: {', '.join(stray)} hold parameters but run neither "
@@ -100,12 +106,21 @@ def find_anatomy(model: nn.Module) -> Anatomy:
             f"{type(stack).__name__} shows), nor are they the LM head {head!r}; the stages "
             "cannot place them (use pipeline=none)")
     return Anatomy(prefix, stack_fqn, embed, layers, before, after, head,
-                   len(getattr(stack, layers)), source)
+                   len(getattr(stack, layers)), source, front)
+
+
+def _language_model(model: nn.Module) -> str | None:
+    """An image-text model's language model (the stack its stages split; the tower and the
+    projector beside it go to the first stage); None for a text model."""
+    from automodel.models.multimodal import is_image_text, language_stack
+    from automodel.models.parts import block_fqns
+
+    return language_stack(model, block_fqns(model)) if is_image_text(model.config) else None
 
 
 def _find_layers(model: nn.Module, prefix: str, family: str) -> tuple[str, str]:
     """(FQN of the stack, name of its layer list): the one ModuleList of blocks in the base
-    model."""
+    model (in an image-text model's language model: ``prefix``)."""
     blocks = block_class_names(model)
     found = [n for n, m in model.get_submodule(prefix).named_modules(prefix=prefix)
              if isinstance(m, nn.ModuleList) and len(m) and type(m[0]).__name__ in blocks]

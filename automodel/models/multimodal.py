@@ -88,3 +88,17 @@ def freeze(model: nn.Module, targets: list[str]) -> tuple[int, int]:
             p.requires_grad_(False)
     frozen = sum(p.numel() for _, p in params if not p.requires_grad)
     return frozen, sum(p.numel() for _, p in params)
+
+
+def language_stack(model: nn.Module, block_fqns: list[str]) -> str | None:
+    """For an image-text model, the name of the module that runs its language blocks (the
+    model's own ``get_decoder()``, e.g. ``model.language_model``; else the parent of the
+    first language block's list); None for a text model."""
+    if not is_image_text(model.config):
+        return None
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    named = next((n for n, m in model.named_modules() if m is decoder and n), None)
+    if named is not None:
+        return named
+    language = [b for b in block_fqns if group_of(b) == "language"]
+    return language[0].rsplit(".", 2)[0] if language else None

@@ -11,6 +11,7 @@ from typing import Any
 
 from torch import nn
 
+from automodel.compat import input_embeddings
 from automodel.imports import load_object
 from automodel.models.experts import expert_modules
 
@@ -85,8 +86,8 @@ def _full_hf_plan(model: nn.Module) -> dict | None:
     if base_plan:
         prefix = getattr(model, "base_model_prefix", "")
         full = {f"{prefix}.{k}" if prefix else k: v for k, v in base_plan.items()}
-        if model.get_input_embeddings() is not None:
-            name = _fqn_of(model, model.get_input_embeddings())
+        if input_embeddings(model) is not None:
+            name = _fqn_of(model, input_embeddings(model))
             full.setdefault(name, "embedding_rowwise")
         if model.get_output_embeddings() is not None:
             full.setdefault(_fqn_of(model, model.get_output_embeddings()), "colwise_gather_output")

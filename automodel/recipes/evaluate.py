@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from automodel.data.batches import IGNORE_INDEX, BatchPlan
 from automodel.distributed.setup import DistributedSetup
+from automodel.recipes.pipeline_step import loader_options
 from automodel.recipes.step import device_batches, forward_loss
 
 
@@ -40,8 +41,9 @@ class Evaluator:
         try:
             sums = torch.zeros(2, dtype=torch.float64, device=setup.device)  # [loss, tokens]
             for index in range(int(self.batches)):
-                micro = self.plan.micro_batches(index, setup.dp_rank, setup.dp_size,
-                                                self.trainer.local_batch_size)
+                micro = self.plan.micro_batches(
+                    index, setup.dp_rank, setup.dp_size,
+                    **loader_options(self.pipeline, self.trainer.local_batch_size))
                 if self.pipeline is not None:
                     sums += self.pipeline.evaluate(micro)
                     continue

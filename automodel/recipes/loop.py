@@ -22,6 +22,7 @@ from automodel.distributed.setup import DistributedSetup
 from automodel.launch.failure import set_phase
 from automodel.launch.signals import StopSignal
 from automodel.recipes.components import Components
+from automodel.recipes.pipeline_step import loader_options
 from automodel.recipes.step import train_step
 from automodel.recipes.step_log import StepLog
 from automodel.recipes.step_values import StepValues, read_step
@@ -87,9 +88,9 @@ def start_run(cfg: TrainConfig, setup: DistributedSetup, parts: Components, outp
     stop = StopSignal().install()
     profiler = StepProfiler(t.profile_steps, output_dir, info.rank, info.is_main,
                             info.device.type)
-    plan = parts.plan
+    plan, options = parts.plan, loader_options(parts.pipeline, t.local_batch_size)
     batches = Prefetcher(
-        lambda step: plan.micro_batches(step, setup.dp_rank, setup.dp_size, t.local_batch_size),
+        lambda step: plan.micro_batches(step, setup.dp_rank, setup.dp_size, **options),
         t.prefetch_steps, last_step, pin_memory=setup.device.type == "cuda")
     return Run(cfg, setup, parts, steplog, stop, profiler, batches, start_step, last_step,
                saved_step=start_step, number=start_step,

@@ -14,9 +14,11 @@ from automodel.data.batches import IGNORE_INDEX
 from automodel.distributed.mesh import MeshAxis
 from automodel.distributed.pipelining.buffer_pool import pool_schedule, recv_buffer_bytes
 from automodel.distributed.pipelining.schedule import stages_by_rank
+from automodel.distributed.pipelining.stage_images import ROWS, schedule_inputs
 from automodel.distributed.pipelining.stages import PipelineLoss, build_schedule, load_loss_fn
 from automodel.distributed.pipelining.tied import TiedEmbeddingSync
 from automodel.distributed.setup import DistributedSetup
+from automodel.models.multimodal import IMAGE_TOKEN_MASKS, is_image_text
 from automodel.recipes.router_loss import RouterLoss, carry_routing_sums
 from automodel.recipes.step import (
     StepStats,
@@ -41,6 +43,7 @@ class PipelineStep:
         self.n_microbatches = self.batch // p.pp_microbatch_size
         self.scale_in_schedule = p.scale_grads_in_schedule
         self.has_first = 0 in parallel.stage_ids
+        self.images = is_image_text(self.parts[0].config)  # (``stage_images.py``)
         self.has_last = parallel.num_stages - 1 in parallel.stage_ids
         self.pp_group = setup.mesh[MeshAxis.PP].get_group()
         holders = stages_by_rank(p, setup.size(MeshAxis.PP), parallel.num_stages)
@@ -101,8 +104,7 @@ class PipelineStep:
         caller's). Returns (global mean loss, gradient norm, global token count) as device
         tensors, with the pipeline's receive-buffer bytes as an extra."""
         setup = self.setup
-        inputs = to_device(torch.cat([x for x, _ in micro_batches]), setup.device)
-        labels = to_device(torch.cat([y for _, y in micro_batches]), setup.device)
+        inputs, labels, stage_kwargs = self._inputs(micro_batches)
         # (the stages take the positions of this rank's tokens from ``setup.cp`` themselves)
         inputs, labels, _ = sequence_shard(inputs, labels, setup)
         global_tokens = count_global_tokens([labels], setup)
@@ -118,7 +120,7 @@ class PipelineStep:
         self.aux_sums = []  # (and its router loss's aux sum)
         chunks = range(0, inputs.shape[0], self.batch)
         with known_packing():
-            self._run_schedule(inputs, labels, chunks, losses)
+            self._run_schedule(inputs, labels, chunks, losses, stage_kwargs)
         not_in_norm = frozenset()
         if self.tied is not None:
             self.tied.sync_grads()
@@ -149,8 +151,7 @@ class PipelineStep:
         """Forward only over the micro-batches: [loss sum (all stages agree), label tokens of
         this rank] in float64, for ``recipes/evaluate.py`` to reduce over data parallelism."""
         setup = self.setup
-        inputs = to_device(torch.cat([x for x, _ in micro_batches]), setup.device)
-        labels = to_device(torch.cat([y for _, y in micro_batches]), setup.device)
+        inputs, labels, stage_kwargs = self._inputs(micro_batches)
         inputs, labels, _ = sequence_shard(inputs, labels, setup)
         train_scale, self.loss.scale = self.loss.scale, 1.0  # the plain sum
         losses: list = []
@@ -162,7 +163,8 @@ class PipelineStep:
                                          if self.has_first else ()),
                                        target=labels[chunk:chunk + self.batch]
                                        if self.has_last else None,
-                                       losses=chunk_losses if self.has_last else None)
+                                       losses=chunk_losses if self.has_last else None,
+                                       **_rows(stage_kwargs, chunk, self.batch))
                     losses.extend(chunk_losses)
         finally:
             self.loss.scale = train_scale
@@ -173,7 +175,26 @@ class PipelineStep:
         sums[1] = (labels != IGNORE_INDEX).sum()
         return sums
 
-    def _run_schedule(self, inputs, labels, chunks, losses: list) -> None:
+    def _inputs(self, micro_batches) -> tuple:
+        """(token ids, labels, the stages' keyword inputs) of the step's rows on the device.
+        An image-text model's micro-batches are the pipeline's (``micro_batch_rows``), each
+        with its images; the first stage's are kept on it (``stage_images.py``)."""
+        device = self.setup.device
+        if not self.images:
+            return (to_device(torch.cat([mb[0] for mb in micro_batches]), device),
+                    to_device(torch.cat([mb[1] for mb in micro_batches]), device), {})
+        part = self.parts[0]
+        inputs, labels, kwargs, table = schedule_inputs(
+            micro_batches, part.get_submodule(part._pipeline_role.anatomy.base),
+            IMAGE_TOKEN_MASKS)
+        table.table = {row: {k: to_device(v, device) if isinstance(v, torch.Tensor) else v
+                             for k, v in images.items()} for row, images in table.table.items()}
+        for part in self.parts:
+            part._pipeline_images = table
+        kwargs = {k: v if k == ROWS else to_device(v, device) for k, v in kwargs.items()}
+        return to_device(inputs, device), to_device(labels, device), kwargs
+
+    def _run_schedule(self, inputs, labels, chunks, losses: list, stage_kwargs: dict) -> None:
         for chunk in chunks:
             # with the no-sync patch, gradients are reduced after the last chunk only
             self._defer_reduce = chunk != chunks[-1]
@@ -181,9 +202,25 @@ class PipelineStep:
             target = labels[chunk:chunk + self.batch] if self.has_last else None
             chunk_losses: list = []  # the schedule refills this list on every call
             self.schedule.step(*args, target=target,
-                               losses=chunk_losses if self.has_last else None)
+                               losses=chunk_losses if self.has_last else None,
+                               **_rows(stage_kwargs, chunk, self.batch))
             losses.extend(chunk_losses)
             self.aux_sums.extend(self.loss.micro_batch_aux(len(chunk_losses)))
+
+
+def loader_options(pipeline: PipelineStep | None, local_batch_size: int) -> dict:
+    """``BatchPlan.micro_batches``' size and split for the step: under a pipeline an
+    image-text model's micro-batches are the pipeline's (their images cannot be re-split by
+    the schedule) and take no placeholder rows (``stage_images.py``)."""
+    if pipeline is None or not pipeline.images:
+        return {"local_batch_size": local_batch_size}
+    return {"local_batch_size": pipeline.setup.pipeline.pp_microbatch_size,
+            "placeholder_row": False}
+
+
+def _rows(stage_kwargs: dict, start: int, count: int) -> dict:
+    """The stages' keyword inputs of rows ``start .. start + count``."""
+    return {k: v[start:start + count] for k, v in stage_kwargs.items()}
 
 
 def _forward_under_autocast(part, device_type: str, dtype: torch.dtype) -> None:

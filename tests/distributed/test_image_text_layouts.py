@@ -5,8 +5,8 @@ context parallelism.
   sample and one sample per micro-batch (micro-batches without an image), 5 steps: losses
   and gradient norms match one process (fp32) under TP2, TP2+SP and CP2 (Gemma 3: refused
   under CP), Qwen2-VL under TP2+SP x CP2; the default precision trains close to fp32;
-- four more families (Mistral 3, Idefics 3, Qwen2.5-VL, Janus), one step each, TP2, TP2+SP
-  and CP2;
+- four more families (Mistral 3, Idefics 3, Qwen2.5-VL, Janus), one step each, TP2, TP2+SP,
+  CP2 and a 1F1B pipeline of two stages;
 - the effect: the tower's weights whole on every TP rank, the language model's split; under
   SP and CP the first language block takes its rank's part of the sequence, the tower and the
   merge the whole sequence;
@@ -26,23 +26,30 @@ from tests.helpers import FP32, run_on_ranks, train
 TP2 = ["parallelism=fsdp2", FP32, "mesh.tp_size=2"]
 SP = ["parallelism.sequence_parallel=true"]
 CP2 = ["parallelism=fsdp2", FP32, "mesh.cp_size=2"]
-LAYOUTS = {"tp2": TP2, "tp2_sp": TP2 + SP, "cp2": CP2}
+# (one sample per pipeline micro-batch: with MIXED, half of them have no image)
+PP2 = ["parallelism=fsdp2", FP32, "pipeline.pp_microbatch_size=1"]
+LAYOUTS = {"tp2": TP2, "tp2_sp": TP2 + SP, "cp2": CP2, "pp2_1f1b": PP2 + ["pipeline=1f1b"],
+           "pp2_interleaved": PP2 + ["pipeline=interleaved"]}
+FOUR_RANKS = {  # (layouts of 4 ranks: one preset each in the suite)
+    "tp2_sp_cp2": TP2 + SP + ["mesh.cp_size=2", "distributed.nproc_per_node=4"],
+    "pp2_tp2_sp": PP2 + ["pipeline=1f1b", "mesh.tp_size=2", "distributed.nproc_per_node=4"]
+    + SP}
 MIXED = ["data.image_every=2"]  # (one sample per micro-batch: half of them have no image)
 
 
 @pytest.mark.parametrize("preset,layout", [
     (preset, layout) for preset in ("llava_tiny", "qwen2_vl_tiny", "gemma3_vl_tiny")
     for layout in LAYOUTS if (preset, layout) != ("gemma3_vl_tiny", "cp2")]
-    + [("qwen2_vl_tiny", "tp2_sp_cp2")])
+    + [("qwen2_vl_tiny", "tp2_sp_cp2"), ("qwen2_vl_tiny", "pp2_tp2_sp"),
+       ("gemma3_vl_tiny", "pp2_tp2_sp")])
 def test_presets_match_one_process(preset, layout, reference, tmp_path):
     run = [f"model={preset}"] + MIXED
-    over = (TP2 + SP + ["mesh.cp_size=2", "distributed.nproc_per_node=4"]
-            if layout == "tp2_sp_cp2" else LAYOUTS[layout])
+    over = FOUR_RANKS[layout] if layout in FOUR_RANKS else LAYOUTS[layout]
     records = train(over + ["trainer.local_batch_size=1"] + run, tmp_path)
     assert_matches(records, reference(*run))
 
 
-@pytest.mark.parametrize("layout", ["tp2_sp", "cp2"])
+@pytest.mark.parametrize("layout", ["tp2_sp", "cp2", "pp2_1f1b"])
 def test_the_default_precision_trains_close_to_fp32(layout, reference, tmp_path):
     run = ["model=llava_tiny"] + MIXED
     records = train([o for o in LAYOUTS[layout] if o != FP32] + run, tmp_path)
@@ -59,18 +66,33 @@ def _families(rank, world, families):
 
     warnings.simplefilter("ignore")
     info = DistInfo("gloo", torch.device("cpu"), rank, world, rank)
-    out = {}
-    for layout, over in LAYOUTS.items():
-        cfg = load_config(over + ["mesh.dp_size=1", "model=llava_tiny", "data=synthetic",
-                                  "trainer.global_batch_size=4"])
+    out, one = {}, {}
+    for layout in ("tp2", "tp2_sp", "cp2", "pp2_1f1b"):
+        cfg = load_config(LAYOUTS[layout] + ["mesh.dp_size=1", "model=llava_tiny",
+                                             "data=synthetic", "trainer.global_batch_size=4"])
         for family in families:
             run = _with_model(cfg, family)
             data = _batch(run)  # (4 rows, one image)
             setup = build_setup(run, info)
-            one = dataclasses.replace(setup, strategy="none", mesh=None, cp=None)
-            out[family, layout] = (_one_step(run, setup, data, slice(0, 4)),
-                                   _one_step(run, one, data, slice(0, 4)))
+            if family not in one:  # (one process: the same step whatever the layout)
+                alone = dataclasses.replace(setup, strategy="none", mesh=None, cp=None)
+                one[family] = _one_step(run, alone, data, slice(0, 4))
+            out[family, layout] = (_pipeline_step(run, setup, data) if setup.pp_enabled
+                                   else _one_step(run, setup, data, slice(0, 4)), one[family])
     return out
+
+
+def _pipeline_step(cfg, setup, data):
+    """(loss, gradient norm) of one step of four pipeline micro-batches of one row each (three
+    without an image: the tower runs on a blank one)."""
+    from automodel.parallelize import parallelize
+    from automodel.recipes.components import initial_model
+    from automodel.recipes.pipeline_step import PipelineStep
+
+    model, fill = initial_model(cfg, setup.dist)
+    step = PipelineStep(parallelize(model, setup, fill), setup, 4)
+    stats = step([data[i:i + 1].split(placeholder_row=False) for i in range(4)], None)
+    return float(stats.loss), float(stats.grad_norm)
 
 
 def test_more_families_take_one_step_like_one_process(tmp_path):

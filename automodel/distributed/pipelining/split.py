@@ -27,9 +27,10 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from automodel.compat import child_module, map_tensors, tensor_leaves
+from automodel.compat import child_module, input_embeddings, map_tensors, tensor_leaves
 from automodel.config.pipeline_layout import stage_layer_ranges
 from automodel.distributed.pipelining.loop_form import loop_output_form
+from automodel.distributed.pipelining.stage_images import add_tower_for_nothing, stage_inputs
 from automodel.models.anatomy import Anatomy
 
 
@@ -151,10 +152,11 @@ class StageRole:
     router_stats: Optional[Callable] = None
 
 
-def _stage_forward(self, x: torch.Tensor, carried: torch.Tensor | None = None):
+def _stage_forward(self, x: torch.Tensor, carried: torch.Tensor | None = None, **inputs):
     """Token ids (first stage) or hidden states in; hidden states or logits (last) out.
     With ``role.router_stats`` each stage also returns the routing sums of the layers so far
-    (``carried``: the previous stages')."""
+    (``carried``: the previous stages'). ``inputs``: an image-text model's per-micro-batch
+    inputs (``stage_images.py``)."""
     role: StageRole = self._pipeline_role
     base = getattr(self, role.anatomy.base)
     layers = getattr(self.get_submodule(role.anatomy.stack), role.anatomy.layers)
@@ -171,6 +173,9 @@ def _stage_forward(self, x: torch.Tensor, carried: torch.Tensor | None = None):
         layers.ran = set()
     if role.router_stats is not None:  # the model's own record of its routers' logits
         kwargs["output_router_logits"] = True
+    blank = None
+    if inputs:
+        kwargs, blank = stage_inputs(self, role.first, kwargs, inputs)
     if role.last:
         out = type(self).forward(self, **kwargs)
         return _with_router_sums(out.logits, out, role, x.shape[0], carried)
@@ -181,6 +186,8 @@ def _stage_forward(self, x: torch.Tensor, carried: torch.Tensor | None = None):
     # a stage must return a fresh tensor, never a view of its input (zero-bubble schedules
     # detach outputs in place)
     hidden = hidden if hidden._base is None and hidden is not x else hidden.clone()
+    if blank is not None:  # (a micro-batch without images: the tower runs all the same)
+        hidden = add_tower_for_nothing(self, hidden, blank)
     return _with_router_sums(hidden, out, role, x.shape[0], carried)
 
 
@@ -211,7 +218,7 @@ def contents_from_fqns(model: nn.Module, anatomy: Anatomy, fqns_per_part: list) 
     head (last part); naming them is allowed, not needed."""
     stack = model.get_submodule(anatomy.stack)
     num_layers = anatomy.num_layers
-    starts = {anatomy.fqn(n) for n in (anatomy.embed, *anatomy.before)}
+    starts = {anatomy.fqn(n) for n in (anatomy.embed, *anatomy.before)} | set(anatomy.front)
     ends = {anatomy.head} | {anatomy.fqn(n) for n in anatomy.after}
     passive = {anatomy.fqn(n) for n, m in stack.named_children()
                if not any(True for _ in m.parameters())}
@@ -252,7 +259,7 @@ def contents_from_fqns(model: nn.Module, anatomy: Anatomy, fqns_per_part: list) 
 
 def ties_embeddings(model: nn.Module) -> bool:
     """The input embedding and the LM head share one weight."""
-    inp, out = model.get_input_embeddings(), model.get_output_embeddings()
+    inp, out = input_embeddings(model), model.get_output_embeddings()
     return inp is not None and out is not None and out.weight is inp.weight
 
 
@@ -279,6 +286,9 @@ def build_stage(model: nn.Module, anatomy: Anatomy, contents: StageContents,
             setattr(stack, anatomy.embed, None)  # later stages pass inputs_embeds
         for name in anatomy.before:
             setattr(stack, name, StandIn(getattr(stack, name)))
+        for fqn in anatomy.front:  # (an image-text model's tower: the first stage's)
+            parent, _, name = fqn.rpartition(".")
+            setattr(stage.get_submodule(parent), name, None)
     if not contents.head:
         for name in anatomy.after:
             setattr(stack, name, nn.Identity())

@@ -1,0 +1,117 @@
+"""Image-text models under a pipeline: what each stage takes besides its activations.
+
+The first stage holds the vision tower and the projector (``Anatomy.front``) and runs the
+model's own forward on each micro-batch's token ids and images: the images are encoded and
+merged into the embeddings there, as without a pipeline. Later stages receive hidden states
+only, so the step hands every stage, with each micro-batch (through the schedule, which
+splits these on the batch dimension):
+
+- ``image_rows``: the micro-batch's rows (a host tensor): the first stage looks up the
+  micro-batch's image inputs by its first row (``StageImages``). Image inputs cannot be split
+  by the schedule: a patch stream (Qwen2-VL's ``pixel_values``: [patches, ...]) has no batch
+  dimension, and images per row vary. So the step cuts the rows into pipeline micro-batches
+  before the images are loaded and keeps one entry per micro-batch;
+- the model's per-token image masks (``token_type_ids``: Gemma 3's image tokens attend both
+  ways on every stage's layers);
+- ``rope_positions``, for a model that derives its positions from the images (Qwen2-VL's 3-D
+  rotary positions): made once per micro-batch on the host by the model's own
+  ``get_rope_index``, since later stages have no token ids to make them from.
+
+A micro-batch without any image still runs the tower on the first stage, on a blank image,
+and adds its features times zero to the stage's output: every rank then runs the tower's
+collectives and reduces its (zero) gradients in every micro-batch, as the placeholder row
+does without a pipeline (a row would change the micro-batch's shape, which every stage must
+agree on).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
+
+from automodel.compat import tensor_leaves
+from automodel.data.image_text import BLANK_IMAGE
+
+ROWS = "image_rows"
+POSITIONS = "rope_positions"
+
+
+class StageImages:
+    """The image inputs of the step's pipeline micro-batches, by first row (first stage)."""
+
+    def __init__(self):
+        self.table: dict[int, dict] = {}
+
+    def inputs(self, rows: torch.Tensor) -> dict:
+        return self.table[int(rows[0])]
+
+
+def schedule_inputs(micro_batches: list, base: nn.Module, token_masks: tuple) -> tuple:
+    """(token ids [B, S], labels [B, S], the schedule's keyword inputs, the first stage's
+    table) of a step's pipeline micro-batches ``[(inputs, labels, extras), ...]`` (from
+    ``ImageTextData.split(placeholder_row=False)``); ``base``: the model's base (its
+    ``get_rope_index``, where it derives positions); ``token_masks``: the per-token image
+    masks a model may take (those the micro-batches hold are passed to every stage)."""
+    token_masks = tuple(k for k in token_masks if k in micro_batches[0][2])
+    table, masks, positions, start = StageImages(), [], [], 0
+    for x, _, extras in micro_batches:
+        images = {k: v for k, v in extras.items() if k not in token_masks and k != "position_ids"}
+        table.table[start] = images
+        start += x.shape[0]
+        masks.append([extras[k] for k in token_masks])
+        if "position_ids" in extras:  # (None: the model derives its positions)
+            used = {k: extras[k] for k in token_masks}
+            used.update({} if images.get(BLANK_IMAGE) else images)
+            positions.append(_rope_positions(base, x, used))
+    inputs = torch.cat([mb[0] for mb in micro_batches])
+    labels = torch.cat([mb[1] for mb in micro_batches])
+    kwargs = {ROWS: torch.arange(inputs.shape[0])}
+    for i, key in enumerate(token_masks):
+        kwargs[key] = torch.cat([m[i] for m in masks])
+    if positions:  # [3, B, S] -> batch first, as the schedule splits it
+        kwargs[POSITIONS] = torch.cat(positions, dim=1).movedim(1, 0).contiguous()
+    return inputs, labels, kwargs, table
+
+
+def _rope_positions(base: nn.Module, x: torch.Tensor, inputs: dict) -> torch.Tensor:
+    """[3, micro-batch, S]: the model's own rotary positions of token ids ``x``."""
+    rope_index = base.get_rope_index
+    takes = set(inspect.signature(rope_index).parameters)
+    return rope_index(x, **{k: v for k, v in inputs.items() if k in takes})[0]
+
+
+def stage_inputs(part: nn.Module, first: bool, kwargs: dict, inputs: dict) -> tuple:
+    """(the model's keyword arguments for this micro-batch, the blank image's inputs to run
+    the tower on, or None) on ``part``."""
+    inputs = dict(inputs)
+    rows = inputs.pop(ROWS)
+    positions = inputs.pop(POSITIONS, None)
+    if positions is not None:
+        kwargs["position_ids"] = positions.movedim(0, 1)
+    kwargs.update(inputs)
+    if not first:
+        return kwargs, None
+    images = part._pipeline_images.inputs(rows)
+    if images.get(BLANK_IMAGE):
+        return kwargs, {k: v for k, v in images.items() if k != BLANK_IMAGE}
+    kwargs.update(images)
+    return kwargs, None
+
+
+def add_tower_for_nothing(part: nn.Module, hidden: torch.Tensor, blank: dict) -> torch.Tensor:
+    """``hidden`` plus zero times the tower's features of ``blank`` (a blank image)."""
+    from automodel.models.image_inputs import image_features_fn
+
+    features_of = image_features_fn(part)
+    takes = set(inspect.signature(features_of).parameters)
+    features = features_of(**{k: v for k, v in blank.items() if k in takes})
+    zero = sum(t.sum() for t in tensor_leaves(features)
+               if isinstance(t, torch.Tensor) and t.is_floating_point()) * 0
+    if isinstance(hidden, DTensor):
+        zero = DTensor.from_local(zero.to_local() if isinstance(zero, DTensor) else zero,
+                                  hidden.device_mesh, [Replicate()] * hidden.device_mesh.ndim,
+                                  run_check=False)
+    return hidden + zero.to(hidden.dtype)
