@@ -34,6 +34,7 @@ LAYOUTS = {  # name: (ranks, overrides)
     "tp2_sp": (2, ["mesh.tp_size=2"] + SP),
     "cp2": (2, ["mesh.cp_size=2"]),
     "tp2_sp_cp2": (4, ["mesh.tp_size=2", "mesh.cp_size=2"] + SP),
+    "ep2": (2, ["mesh.ep_size=2"]),
     "pp2_1f1b": (2, ["pipeline=1f1b", "pipeline.pp_microbatch_size=1"]),
     "pp2_interleaved": (2, ["pipeline=interleaved", "pipeline.pp_microbatch_size=1"]),
     "pp2_tp2_sp": (4, ["pipeline=1f1b", "pipeline.pp_microbatch_size=1", "mesh.tp_size=2"]
@@ -102,7 +103,7 @@ def main() -> None:
         tmp = pathlib.Path(tempfile.mkdtemp())
         base = ["parallelism=fsdp2", FP32, "model=llava_tiny", "data=synthetic",
                 "trainer.global_batch_size=4", f"distributed.nproc_per_node={ranks}"]
-        cfg = load_config(base + ["mesh.dp_size=1", *over], str(tmp))
+        cfg = load_config(base + over, str(tmp))  # (dp inferred: 1, or 2 under ep)
         plain = load_config(base, str(tmp))
         rows = run_on_ranks(_sweep, ranks, cfg, plain, families, tmp_path=tmp)[0]
         for family in families:

@@ -21,6 +21,7 @@ import torch
 from automodel.data.batches import IGNORE_INDEX
 
 BLANK_IMAGE = "blank_image"  # extras of rows without images under a pipeline (``split``)
+PLACEHOLDER_ROWS = "placeholder_rows"  # extras: rows at the end that are no sample (``split``)
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,8 @@ class ImageTextData:
         tokens, with no label to learn. So every micro-batch runs the vision tower and the
         projector, and every rank reduces the same gradients (a rank skipping them would leave
         the others waiting in FSDP2 or DDP); the placeholder adds nothing to the loss and
-        zeros to the gradients. ``placeholder_row=False`` (a pipeline, whose micro-batches
+        zeros to the gradients (the extras count it: ``PLACEHOLDER_ROWS``, so the router's
+        per-sequence loss leaves it out). ``placeholder_row=False`` (a pipeline, whose micro-batches
         keep one shape): no row; the extras hold the blank image's inputs under
         ``BLANK_IMAGE: True``, for the first stage to run the tower on
         (``distributed/pipelining/stage_images.py``)."""
@@ -80,6 +82,8 @@ class ImageTextData:
         extras: dict = {key: torch.cat([image[key] for image in loaded]) for key in loaded[0]}
         if blank:
             extras[BLANK_IMAGE] = True
+        elif rows is not self:
+            extras[PLACEHOLDER_ROWS] = 1
         for key in fmt.token_masks:
             extras[key] = (inputs == fmt.image_token_id).long()
         if fmt.model_positions:

@@ -53,7 +53,8 @@ def check_model_layout(cfg: TrainConfig) -> None:
         return
     from automodel.config.validate_pipeline import check_pipeline_model
     from automodel.distributed import context_parallel, expert_parallel
-    from automodel.distributed.pipelining.split import contents_from_fqns
+    from automodel.distributed.pipelining.stage_images import check_first_stage
+    from automodel.distributed.pipelining.stages import stage_contents
     from automodel.models.anatomy import find_anatomy
     from automodel.models.builder import build_meta_model
 
@@ -77,8 +78,9 @@ def check_model_layout(cfg: TrainConfig) -> None:
             anatomy = find_anatomy(model)
             check_pipeline_model(cfg.pipeline, cfg.mesh, cfg.model, cfg.trainer,
                                  layers=anatomy.num_layers)
-            if cfg.pipeline.module_fqns_per_model_part is not None:
-                contents_from_fqns(model, anatomy, cfg.pipeline.module_fqns_per_model_part)
+            contents, _ = stage_contents(model, anatomy, cfg.pipeline, m.pp_size)
+            if is_image_text(model.config):
+                check_first_stage(model, len(contents[0].layers))
     except ValueError as err:  # (ConfigError is one)
         raise ConfigError(str(err)) from None
 
@@ -86,10 +88,6 @@ def check_model_layout(cfg: TrainConfig) -> None:
 def _check_image_text_layout(model, m, pp: int) -> None:
     """The layouts an image-text model cannot take in this version."""
     name = type(model).__name__
-    if m.ep_size > 1:
-        raise ConfigError(f"{name} is an image-text model: expert parallelism is not "
-                          "available for image-text models in this version; keep "
-                          "mesh.ep_size=1")
     if pp > 1 and m.cp_size > 1:
         raise ConfigError(f"{name} is an image-text model: a pipeline with context "
                           f"parallelism (mesh.pp_size={pp}, mesh.cp_size={m.cp_size}) is not "

@@ -15,8 +15,14 @@ DISPATCH_STYLE = "ep_dispatch_experts"
 
 
 def expert_modules(model: nn.Module) -> dict[str, nn.Module]:
-    """The experts modules of ``model`` (a whole model or a pipeline stage) by name."""
-    plan = getattr(getattr(model, "config", None), "base_model_ep_plan", None) or {}
+    """The experts modules of ``model`` (a whole model or a pipeline stage) by name (an
+    image-text model's plan is its language model's: ``text_config``)."""
+    from automodel.models.multimodal import text_config
+
+    config = getattr(model, "config", None)
+    plan = (getattr(config, "base_model_ep_plan", None)
+            or getattr(text_config(config), "base_model_ep_plan", None) or {}) \
+        if config is not None else {}
     patterns = [re.compile(r"(^|\.)" + re.escape(p).replace(r"\*", r"\d+") + "$")
                 for p, style in plan.items() if style == DISPATCH_STYLE]
     if not patterns:

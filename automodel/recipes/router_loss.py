@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from automodel.models.experts import is_moe
+from automodel.models.multimodal import text_config
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ class RouterLoss:
     @classmethod
     def of(cls, model: nn.Module) -> RouterLoss | None:
         """The model's router loss when its config asks for it, else None."""
-        cfg = model.config
+        cfg = text_config(model.config)  # (an image-text model's: its language model's)
         if not getattr(cfg, "output_router_logits", False) or not is_moe(model):
             return None
         experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None)

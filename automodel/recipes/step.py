@@ -26,6 +26,7 @@ from torch.profiler import record_function
 
 from automodel.compat import foreach_mul_, foreach_norm, packed_sequence_finder
 from automodel.data.batches import IGNORE_INDEX
+from automodel.data.image_text import PLACEHOLDER_ROWS
 from automodel.distributed.setup import DistributedSetup
 from automodel.loss import summed_cross_entropy
 from automodel.recipes.router_loss import RouterLoss
@@ -175,7 +176,7 @@ def device_batches(micro_batches, setup: DistributedSetup) -> list:
     share of the sequence under context parallelism."""
     batches = []
     for x, y, *rest in micro_batches:  # (inputs, labels[, extras: images, positions])
-        extras = {k: v if v is None else to_device(v, setup.device)
+        extras = {k: to_device(v, setup.device) if isinstance(v, torch.Tensor) else v
                   for k, v in (rest[0] if rest else {}).items()}
         batches.append((*sequence_shard(to_device(x, setup.device),
                                         to_device(y, setup.device), setup), extras))
@@ -194,6 +195,7 @@ def forward_loss(model, setup: DistributedSetup, batch, extra_args: dict | None 
     # restarting at each packed document, or None for a model that derives them from its
     # images.
     args = {"position_ids": positions.expand_as(inputs), **extras, **(extra_args or {})}
+    args.pop(PLACEHOLDER_ROWS, None)  # (not a model input)
     packed = extras.get("position_ids") is not None
     with autocast_context(setup), known_packing(packed):
         with record_function("automodel::forward"):
@@ -203,6 +205,13 @@ def forward_loss(model, setup: DistributedSetup, batch, extra_args: dict | None 
                 return out, head_loss(out.logits, labels)
     with record_function("automodel::loss"):
         return out, summed_cross_entropy(out.logits, labels)
+
+
+def _samples(micro_batch) -> int:
+    """The rows of a micro-batch (host or device form) that are samples of the batch: all but
+    an image-text micro-batch's placeholder row (``ImageTextData.split``)."""
+    extras = micro_batch[-1] if isinstance(micro_batch[-1], dict) else {}
+    return micro_batch[0].shape[0] - extras.get(PLACEHOLDER_ROWS, 0)
 
 
 def train_step(model, setup: DistributedSetup, micro_batches, max_grad_norm,
@@ -222,7 +231,7 @@ def train_step(model, setup: DistributedSetup, micro_batches, max_grad_norm,
     # loss's float32
     scale = (full(setup.grad_average_size, device) / global_tokens).to(torch.float32)
     sums = torch.zeros(2, dtype=torch.float64, device=device)  # [loss sum, aux sum]
-    sequences = setup.dp_size * sum(mb[0].shape[0] for mb in micro_batches)  # global batch
+    sequences = setup.dp_size * sum(_samples(mb) for mb in micro_batches)  # global batch
     extra_args = {"output_router_logits": True} if router_loss is not None else {}
     cp_group = setup.cp.cp_group if setup.cp is not None else None
     for i, batch in enumerate(batches):
@@ -231,9 +240,9 @@ def train_step(model, setup: DistributedSetup, micro_batches, max_grad_norm,
             with grad_sync_context(model, setup, i == len(batches) - 1):
                 out, mb_loss = forward_loss(model, setup, batch, extra_args, head_loss)
                 objective = mb_loss * scale
-                if router_loss is not None:
+                if router_loss is not None:  # (the samples' terms: no placeholder row's)
                     aux = router_loss.per_sequence(out.router_logits, inputs.shape[0],
-                                                   cp_group).sum()
+                                                   cp_group)[:_samples(batch)].sum()
                     objective = objective + aux * (router_loss.coef * setup.grad_average_size
                                                    / sequences)
                     sums[1] += aux.detach().to(torch.float64)

@@ -29,7 +29,8 @@ CP2 = ["parallelism=fsdp2", FP32, "mesh.cp_size=2"]
 # (one sample per pipeline micro-batch: with MIXED, half of them have no image)
 PP2 = ["parallelism=fsdp2", FP32, "pipeline.pp_microbatch_size=1"]
 LAYOUTS = {"tp2": TP2, "tp2_sp": TP2 + SP, "cp2": CP2, "pp2_1f1b": PP2 + ["pipeline=1f1b"],
-           "pp2_interleaved": PP2 + ["pipeline=interleaved"]}
+           "pp2_interleaved": PP2 + ["pipeline=interleaved"],
+           "ep2": ["parallelism=fsdp2", FP32, "mesh.ep_size=2"]}
 FOUR_RANKS = {  # (layouts of 4 ranks: one preset each in the suite)
     "tp2_sp_cp2": TP2 + SP + ["mesh.cp_size=2", "distributed.nproc_per_node=4"],
     "pp2_tp2_sp": PP2 + ["pipeline=1f1b", "mesh.tp_size=2", "distributed.nproc_per_node=4"]
@@ -39,9 +40,11 @@ MIXED = ["data.image_every=2"]  # (one sample per micro-batch: half of them have
 
 @pytest.mark.parametrize("preset,layout", [
     (preset, layout) for preset in ("llava_tiny", "qwen2_vl_tiny", "gemma3_vl_tiny")
-    for layout in LAYOUTS if (preset, layout) != ("gemma3_vl_tiny", "cp2")]
+    for layout in LAYOUTS if (preset, layout) != ("gemma3_vl_tiny", "cp2") and layout != "ep2"]
     + [("qwen2_vl_tiny", "tp2_sp_cp2"), ("qwen2_vl_tiny", "pp2_tp2_sp"),
-       ("gemma3_vl_tiny", "pp2_tp2_sp")])
+       ("gemma3_vl_tiny", "pp2_tp2_sp"),
+       ("qwen3_vl_moe_tiny", "ep2"),  # (the router's loss on: placeholder rows left out)
+       ("qwen3_vl_moe_tiny", "pp2_1f1b")])  # (its deepstack features: on the first stage)
 def test_presets_match_one_process(preset, layout, reference, tmp_path):
     run = [f"model={preset}"] + MIXED
     over = FOUR_RANKS[layout] if layout in FOUR_RANKS else LAYOUTS[layout]
@@ -49,9 +52,11 @@ def test_presets_match_one_process(preset, layout, reference, tmp_path):
     assert_matches(records, reference(*run))
 
 
-@pytest.mark.parametrize("layout", ["tp2_sp", "cp2", "pp2_1f1b"])
-def test_the_default_precision_trains_close_to_fp32(layout, reference, tmp_path):
-    run = ["model=llava_tiny"] + MIXED
+@pytest.mark.parametrize("layout,preset", [("tp2_sp", "llava_tiny"), ("cp2", "llava_tiny"),
+                                           ("pp2_1f1b", "llava_tiny"),
+                                           ("ep2", "qwen3_vl_moe_tiny")])
+def test_the_default_precision_trains_close_to_fp32(layout, preset, reference, tmp_path):
+    run = [f"model={preset}"] + MIXED
     records = train([o for o in LAYOUTS[layout] if o != FP32] + run, tmp_path)
     assert_close_to_fp32(records, reference(*run), loss_rtol=2e-2)
 
@@ -169,6 +174,79 @@ def test_the_tower_stays_whole_and_the_language_model_takes_sequence_shards(layo
         assert placed == placed_1 and inputs == inputs_1
 
 
+def _experts(rank, world):
+    """This rank's share of the first MoE layer's experts under EP2, and its router loss."""
+    from automodel.recipes.router_loss import RouterLoss
+    from tests.distributed.test_placement_effects import parallel_model
+
+    cfg, setup, parallel = parallel_model(rank, world, ["mesh.ep_size=2",
+                                                        "model=qwen3_vl_moe_tiny"])
+    experts = parallel.parts[0].model.language_model.layers[0].mlp.experts
+    weight = experts.gate_up_proj
+    local = weight.to_local() if hasattr(weight, "to_local") else weight
+    return tuple(local.shape), float(local.sum()), RouterLoss.of(parallel.parts[0]) is not None
+
+
+def test_each_ep_rank_holds_half_of_the_experts(tmp_path):
+    (shape_0, sum_0, router), (shape_1, sum_1, _) = run_on_ranks(_experts, 2, tmp_path=tmp_path)
+    assert shape_0[0] == shape_1[0] == 2  # (4 experts over 2 ranks, each whole on its rank)
+    assert sum_0 != sum_1 and router  # (different experts; the router loss read from text_config)
+
+
+TOWER_FIRST = ("pipeline.module_fqns_per_model_part=[[model.vision_tower,"
+               "model.multi_modal_projector,model.language_model.embed_tokens,"
+               "model.language_model.layers.0],[model.language_model.layers.1,"
+               "model.language_model.layers.2,model.language_model.layers.3,"
+               "model.language_model.norm,lm_head]]")
+
+
+def _stages(rank, world):
+    """Under a two-stage pipeline with the tower and one layer on stage 0: the parameter
+    names this rank's stage holds, the tower's runs and what the first layer of the stage
+    receives, in one step of four micro-batches (one with an image)."""
+    from automodel.recipes.pipeline_step import PipelineStep
+    from tests.distributed.test_placement_effects import parallel_model
+
+    cfg, setup, parallel = parallel_model(rank, world, [
+        "mesh.dp_size=1", "model=llava_tiny", "pipeline=1f1b", "pipeline.pp_microbatch_size=1",
+        TOWER_FIRST])
+    part = parallel.parts[0]
+    names = [n.replace("_checkpoint_wrapped_module.", "") for n, _ in part.named_parameters()]
+    seen = {"tower": 0, "layer": []}
+    inner = part.model
+    if inner.vision_tower is not None:
+        inner.vision_tower.register_forward_hook(
+            lambda *_: seen.__setitem__("tower", seen["tower"] + 1))
+    layers = inner.language_model.layers
+    first = layers[layers.first]
+    first.register_forward_pre_hook(
+        lambda m, args, kw: seen["layer"].append(tuple(kw.get("hidden_states", args[0] if args
+                                                              else None).shape)),
+        with_kwargs=True)
+    data = _batch(cfg)  # (4 rows, one image)
+    PipelineStep(parallel, setup, 4)([data[i:i + 1].split(placeholder_row=False)
+                                      for i in range(4)], None)
+    return names, seen, len(data.has_image.nonzero())
+
+
+def test_the_first_stage_holds_the_tower_and_runs_it_in_every_micro_batch(tmp_path):
+    (names_0, seen_0, images), (names_1, seen_1, _) = run_on_ranks(_stages, 2,
+                                                                   tmp_path=tmp_path)
+    tower = [n for n in names_0 if n.startswith("model.vision_tower.")]
+    assert tower and any(n.startswith("model.multi_modal_projector.") for n in names_0)
+    assert not any(n.startswith(("model.vision_tower.", "model.multi_modal_projector."))
+                   for n in names_1)
+    def language_layers(names):
+        return sorted({n.split(".")[3] for n in names
+                       if n.startswith("model.language_model.layers.")})
+
+    assert language_layers(names_0) == ["0"] and language_layers(names_1) == ["1", "2", "3"]
+    assert images == 1  # (three micro-batches without an image: the tower runs on a blank)
+    assert seen_0["tower"] >= 4 and seen_1["tower"] == 0
+    whole = seen_0["layer"][-1]
+    assert whole[0] == 1 and seen_1["layer"][-1] == whole  # (hidden states, whole sequence)
+
+
 @pytest.mark.fast
 @pytest.mark.parametrize("family,sp,expected", [
     ("paligemma", False, "must divide the model's num_key_value_heads=1 "
@@ -179,7 +257,6 @@ def test_the_tower_stays_whole_and_the_language_model_takes_sequence_shards(layo
     ("qwen3_vl", True, "layers.0.self_attn (Qwen3VLTextAttention) has no row-wise projection "
                        "in the plan"),
     ("step3p7", True, "layers.0.mlp (Step3p7MLP) has no row-wise projection in the plan"),
-    ("qwen3_vl_moe", False, "uses style 'packed_colwise'"),
 ])
 def test_what_a_family_s_plan_cannot_do_is_refused_before_launch(family, sp, expected):
     from automodel.api import load_config
@@ -239,13 +316,18 @@ def test_a_sequence_that_does_not_split_into_cp_chunks_is_refused():
 
 
 @pytest.mark.fast
-@pytest.mark.parametrize("layout", [["pipeline=1f1b"], ["mesh.ep_size=2"]])
-def test_other_model_parallel_layouts_are_still_refused(layout):
+@pytest.mark.parametrize("layout,expected", [
+    (["mesh.ep_size=2"], "LlavaForConditionalGeneration (model_type 'llava') has no experts "
+                         "modules"),
+    (["pipeline=1f1b", "mesh.cp_size=2", "distributed.nproc_per_node=4"],
+     "a pipeline with context parallelism (mesh.pp_size=2, mesh.cp_size=2) is not available"),
+])
+def test_layouts_an_image_text_model_cannot_take_are_refused(layout, expected):
     from automodel.api import load_config
     from automodel.config.build import ConfigError
     from automodel.launch.preflight import check_model_layout
 
     cfg = load_config(["parallelism=fsdp2", "model=llava_tiny", "data=synthetic"] + layout)
-    with pytest.raises(ConfigError, match="pipeline and expert parallelism are not "
-                                          "available for image-text models"):
+    with pytest.raises(ConfigError) as info:
         check_model_layout(cfg)
+    assert expected in str(info.value)

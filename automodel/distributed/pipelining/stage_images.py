@@ -115,3 +115,26 @@ def add_tower_for_nothing(part: nn.Module, hidden: torch.Tensor, blank: dict) ->
                                   hidden.device_mesh, [Replicate()] * hidden.device_mesh.ndim,
                                   run_check=False)
     return hidden + zero.to(hidden.dtype)
+
+
+def check_first_stage(model: nn.Module, layers: int) -> None:
+    """Raise ``ValueError`` when image features the model adds inside its language layers
+    (Qwen3-VL's deepstack: after each of its first layers) would reach a layer outside the
+    first stage (``layers``: how many it holds), where no image is."""
+    from automodel.models.multimodal import forward_inputs, language_stack
+    from automodel.models.parts import block_fqns
+
+    stack = language_stack(model, block_fqns(model))
+    if "visual_pos_masks" not in forward_inputs(model.get_submodule(stack)):
+        return
+    depth = getattr(model.config.vision_config, "deepstack_visual_indexes", None)
+    if depth is None:
+        raise ValueError(f"{type(model).__name__} adds image features inside its language "
+                         "layers, to a depth its config does not give: a pipeline cannot "
+                         "keep them on its first stage; use mesh.pp_size=1")
+    if layers <= len(depth):
+        raise ValueError(
+            f"{type(model).__name__} adds image features after each of its first {len(depth)} "
+            f"language layers (vision_config.deepstack_visual_indexes), which the first "
+            f"pipeline stage must hold with the next one; it holds {layers}: give it at least "
+            f"{len(depth) + 1} (pipeline.module_fqns_per_model_part or layers_per_stage)")

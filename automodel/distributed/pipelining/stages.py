@@ -13,20 +13,24 @@ from automodel.loss import summed_cross_entropy
 from automodel.models.anatomy import find_anatomy
 
 
+def stage_contents(model: nn.Module, anatomy, pipeline, pp_size: int) -> tuple:
+    """(what each stage holds, the stage indices of each pp rank)."""
+    num_layers = anatomy.num_layers
+    num_stages, by_rank = stage_layout(pipeline, pp_size, num_layers)
+    if pipeline.module_fqns_per_model_part is not None:
+        return contents_from_fqns(model, anatomy, pipeline.module_fqns_per_model_part), by_rank
+    # layers_per_stage fixes the split when it tiles the model exactly; after rounding the
+    # stage count to a multiple of pp, the layers are spread evenly instead.
+    per_stage = pipeline.layers_per_stage
+    exact = per_stage if per_stage and per_stage * num_stages == num_layers else None
+    return even_contents(num_layers, num_stages, exact), by_rank
+
+
 def split_model(model: nn.Module, pipeline, pp_rank: int, pp_size: int):
     """(stage modules of this rank, their stage indices, total stage count)."""
     anatomy = find_anatomy(model)
-    num_layers = anatomy.num_layers
-    num_stages, by_rank = stage_layout(pipeline, pp_size, num_layers)
-    mine = by_rank[pp_rank]
-    if pipeline.module_fqns_per_model_part is not None:
-        contents = contents_from_fqns(model, anatomy, pipeline.module_fqns_per_model_part)
-    if pipeline.module_fqns_per_model_part is None:
-        # layers_per_stage fixes the split when it tiles the model exactly; after rounding the
-        # stage count to a multiple of pp, the layers are spread evenly instead.
-        per_stage = pipeline.layers_per_stage
-        exact = per_stage if per_stage and per_stage * num_stages == num_layers else None
-        contents = even_contents(num_layers, num_stages, exact)
+    contents, by_rank = stage_contents(model, anatomy, pipeline, pp_size)
+    num_stages, mine = len(contents), by_rank[pp_rank]
     parts = [build_stage(model, anatomy, contents[i], pipeline.patch_inner_model,
                          pipeline.patch_causal_lm_model) for i in mine]
     if pipeline.dtype is not None:  # the pipeline computes (and communicates) in this dtype
