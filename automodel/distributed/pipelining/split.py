@@ -165,8 +165,10 @@ def _stage_forward(self, x: torch.Tensor, carried: torch.Tensor | None = None, *
     kwargs = dict(position_ids=positions.unsqueeze(0), use_cache=False)
     if role.first:
         kwargs["input_ids"] = x
-    else:
-        kwargs["inputs_embeds"] = x
+    else:  # (a residual of several streams, [batch, seq, streams, hidden] (GLM-5-Next's
+        # hyper-connections), is made from [batch, seq, hidden] embeddings: zeros of that shape
+        # stand in, and the layers take the received streams)
+        kwargs["inputs_embeds"] = x if x.dim() <= 3 else x.new_zeros(x.shape[:2] + x.shape[-1:])
         if isinstance(layers, StageLayers):
             layers.stage_input = x
     if isinstance(layers, StageLayers):

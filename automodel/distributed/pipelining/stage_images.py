@@ -77,10 +77,21 @@ def schedule_inputs(micro_batches: list, base: nn.Module, token_masks: tuple) ->
 
 
 def _rope_positions(base: nn.Module, x: torch.Tensor, inputs: dict) -> torch.Tensor:
-    """[3, micro-batch, S]: the model's own rotary positions of token ids ``x``."""
-    rope_index = base.get_rope_index
-    takes = set(inspect.signature(rope_index).parameters)
-    return rope_index(x, **{k: v for k, v in inputs.items() if k in takes})[0]
+    """[3, micro-batch, S]: the model's own rotary positions of token ids ``x``, as its
+    forward makes them (its ``compute_3d_position_ids`` where it has one, called as the
+    forward calls it: no attention mask, no cache; else its ``get_rope_index``). Where the
+    model makes none (Qwen2.5-Omni's thinker without an attention mask), the text positions
+    its language model then uses."""
+    make = getattr(base, "compute_3d_position_ids", None) or base.get_rope_index
+    params = [p for p in inspect.signature(make).parameters.values()
+              if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    args = {p.name: inputs.get(p.name) for p in params}
+    args["input_ids"] = x
+    out = make(**args)
+    positions = out[0] if isinstance(out, tuple) else out
+    if positions is None:
+        return torch.arange(x.shape[1]).expand(3, x.shape[0], -1)
+    return positions
 
 
 def stage_inputs(part: nn.Module, first: bool, kwargs: dict, inputs: dict) -> tuple:
