@@ -4,8 +4,8 @@ docs/image_text.md#layouts.
 Each family of ``tests/distributed/test_image_text_families.COVERED`` is made tiny from its
 own default config (``tests/tiny_image_text.py``) and fed the suite's batch (four rows, one
 image). Rank 0 runs the preflight's model checks and its fake step first (a ``ConfigError``
-is the row's ``refused``); otherwise one training step (fp32) under the layout is compared with the same
-step in one process: ``ok`` within 1e-5 (loss) and 1e-4 (gradient norm) relative, else
+is the row's ``refused``); otherwise one training step (fp32) under the layout is compared
+with the same step in one process: ``ok`` within 1e-5 (loss) and 1e-4 (gradient norm) relative, else
 ``MISMATCH`` with both deviations, or ``ERROR`` with the exception.
 
     python benchmarks/image_text_families.py                       # cp2 on every family
