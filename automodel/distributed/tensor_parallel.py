@@ -43,7 +43,7 @@ from automodel.distributed.tp_extra_styles import (
 from automodel.distributed.tp_heads import localize_head_counts
 from automodel.distributed.tp_image_text import ShardSequenceOnEntry
 from automodel.distributed.tp_lora_styles import lora_style
-from automodel.models.multimodal import language_stack
+from automodel.models.multimodal import language_stack, text_config
 from automodel.models.tp_plans import matches
 from automodel.peft.lora import LoraLinear
 
@@ -182,7 +182,6 @@ def per_head_weights(model: nn.Module, concrete: dict[str, str]) -> list[str]:
 def check_divisibility(model: nn.Module, concrete: dict[str, str], tp: int) -> None:
     """What the plan needs of the model's sizes: heads split by TP, a vocabulary split (an
     image-text model's: its language model's config)."""
-    from automodel.models.multimodal import text_config
 
     cfg = text_config(model.config)
     if splits_heads(concrete):
@@ -300,7 +299,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: dict, source: str,
             _split_parameter(model, fqn, name, tp_mesh)
             continue
         if name == "mla_kv_a_proj":
-            module.rope_dim = model.config.qk_rope_head_dim
+            module.rope_dim = text_config(model.config).qk_rope_head_dim
         in_block = any(fqn.startswith(b + ".") for b in block_fqns)
         style = (VocabParallelHead() if fqn == vocab_parallel_head
                  else _style(name, module, sequence_parallel, in_block, stack is not None))
