@@ -62,6 +62,14 @@ LAYOUTS = {
     "cpu_offload": [*FSDP2_DP2, "parallelism.offload_policy={_target_:"
                     "torch.distributed.fsdp.CPUOffloadPolicy}"],
     "image_text_frozen": ["model=llava_tiny", *FSDP2_DP2, "model.freeze=[vision]"],
+    # an image-text model's own layouts: the tower whole on each TP rank, the merged sequence
+    # split over cp ranks, the tower on the first stage (a blank image where a micro-batch has
+    # none); llava_tiny: the planner cannot simulate positions made from the images (Qwen2-VL)
+    "image_text_tp2_sp": ["model=llava_tiny", "parallelism=fsdp2", "mesh.dp_size=1",
+                          "mesh.tp_size=2", "parallelism.sequence_parallel=true"],
+    "image_text_cp2": ["model=llava_tiny", "parallelism=fsdp2", "mesh.dp_size=1",
+                       "mesh.cp_size=2"],
+    "image_text_pp_1f1b": ["model=llava_tiny", *PP2, "pipeline=1f1b", "data.image_every=2"],
     # LoRA adapters: a frozen base (no gradients, no optimizer states) in three layouts
     "lora_fsdp2": [*FSDP2_DP2, "peft=lora"],
     "lora_tp2_sp": ["parallelism=fsdp2", "mesh.dp_size=1", "mesh.tp_size=2",

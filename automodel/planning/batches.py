@@ -17,6 +17,9 @@ def planning_batches(cfg: TrainConfig, setup):
     """``step -> micro-batches`` of this rank (data-parallel rank ``setup.dp_rank``)."""
     from automodel.data.batches import BatchPlan
     from automodel.data.sources import training_data
+    from automodel.models.builder import hf_config
+    from automodel.models.multimodal import is_image_text
+    from automodel.recipes.pipeline_step import loader_options
 
     t = cfg.trainer
     data = SyntheticDataConfig(num_sequences=2 * t.global_batch_size,
@@ -25,6 +28,8 @@ def planning_batches(cfg: TrainConfig, setup):
     plan = BatchPlan(rows, t.global_batch_size, t.seed)
     # made now, outside the fake mode, as host tensors: the steps the simulation runs (an
     # image-text batch reads its row indices on the host, which a fake tensor cannot give)
-    made = {step: plan.micro_batches(step, setup.dp_rank, setup.dp_size, t.local_batch_size)
+    options = loader_options(cfg.pipeline, is_image_text(hf_config(cfg.model)),
+                             t.local_batch_size)
+    made = {step: plan.micro_batches(step, setup.dp_rank, setup.dp_size, **options)
             for step in range(SIMULATED_STEPS)}
     return made.__getitem__

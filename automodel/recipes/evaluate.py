@@ -43,7 +43,9 @@ class Evaluator:
             for index in range(int(self.batches)):
                 micro = self.plan.micro_batches(
                     index, setup.dp_rank, setup.dp_size,
-                    **loader_options(self.pipeline, self.trainer.local_batch_size))
+                    **loader_options(setup.pipeline if self.pipeline else None,
+                                     bool(self.pipeline and self.pipeline.images),
+                                     self.trainer.local_batch_size))
                 if self.pipeline is not None:
                     sums += self.pipeline.evaluate(micro)
                     continue

@@ -88,7 +88,9 @@ def start_run(cfg: TrainConfig, setup: DistributedSetup, parts: Components, outp
     stop = StopSignal().install()
     profiler = StepProfiler(t.profile_steps, output_dir, info.rank, info.is_main,
                             info.device.type)
-    plan, options = parts.plan, loader_options(parts.pipeline, t.local_batch_size)
+    plan, pipeline = parts.plan, parts.pipeline
+    options = loader_options(setup.pipeline if pipeline else None,
+                             bool(pipeline and pipeline.images), t.local_batch_size)
     batches = Prefetcher(
         lambda step: plan.micro_batches(step, setup.dp_rank, setup.dp_size, **options),
         t.prefetch_steps, last_step, pin_memory=setup.device.type == "cuda")

@@ -208,14 +208,14 @@ class PipelineStep:
             self.aux_sums.extend(self.loss.micro_batch_aux(len(chunk_losses)))
 
 
-def loader_options(pipeline: PipelineStep | None, local_batch_size: int) -> dict:
-    """``BatchPlan.micro_batches``' size and split for the step: under a pipeline an
-    image-text model's micro-batches are the pipeline's (their images cannot be re-split by
-    the schedule) and take no placeholder rows (``stage_images.py``)."""
-    if pipeline is None or not pipeline.images:
+def loader_options(pipeline, image_text: bool, local_batch_size: int) -> dict:
+    """``BatchPlan.micro_batches``' size and split for a step (``pipeline``: the pipeline
+    section, or None): under a pipeline an image-text model's micro-batches are the
+    pipeline's (their images cannot be re-split by the schedule) and take no placeholder rows
+    (``stage_images.py``)."""
+    if pipeline is None or not image_text:
         return {"local_batch_size": local_batch_size}
-    return {"local_batch_size": pipeline.setup.pipeline.pp_microbatch_size,
-            "placeholder_row": False}
+    return {"local_batch_size": pipeline.pp_microbatch_size, "placeholder_row": False}
 
 
 def _rows(stage_kwargs: dict, start: int, count: int) -> dict:

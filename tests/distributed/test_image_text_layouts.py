@@ -1,15 +1,20 @@
-"""Image-text models under tensor parallelism (with and without sequence parallelism) and
-context parallelism.
+"""Image-text models in every model-parallel layout: tensor parallelism (with and without
+sequence parallelism), context parallelism, pipelines and expert parallelism.
 
 - the three presets (LLaVA, Qwen2-VL, Gemma 3) with a trainable tower, one image every other
   sample and one sample per micro-batch (micro-batches without an image), 5 steps: losses
-  and gradient norms match one process (fp32) under TP2, TP2+SP and CP2 (Gemma 3: refused
-  under CP), Qwen2-VL under TP2+SP x CP2; the default precision trains close to fp32;
+  and gradient norms match one process (fp32) under TP2, TP2+SP, CP2 (Gemma 3: refused
+  under CP), 1F1B and interleaved pipelines; Qwen2-VL under TP2+SP x CP2, the three presets
+  under PP2 x TP2+SP; the MoE preset (Qwen3-VL-MoE, router loss on) under EP2 and PP2; the
+  default precision trains close to fp32 under TP2+SP, CP2, PP2 and EP2;
 - four more families (Mistral 3, Idefics 3, Qwen2.5-VL, Janus), one step each, TP2, TP2+SP,
   CP2 and a 1F1B pipeline of two stages;
-- the effect: the tower's weights whole on every TP rank, the language model's split; under
+- the effects: the tower's weights whole on every TP rank, the language model's split; under
   SP and CP the first language block takes its rank's part of the sequence, the tower and the
-  merge the whole sequence;
+  merge the whole sequence; under a pipeline the first stage holds the tower and runs it in
+  every micro-batch; under EP each rank holds half of the experts;
+- a frozen tower (``model.freeze=[vision]``) under TP2, CP2 and PP2, each with another
+  frozen-sharding policy (replicate, per_layer, root);
 - what a family cannot do is refused before launch, naming the layer or the reason.
 """
 
@@ -31,7 +36,7 @@ PP2 = ["parallelism=fsdp2", FP32, "pipeline.pp_microbatch_size=1"]
 LAYOUTS = {"tp2": TP2, "tp2_sp": TP2 + SP, "cp2": CP2, "pp2_1f1b": PP2 + ["pipeline=1f1b"],
            "pp2_interleaved": PP2 + ["pipeline=interleaved"],
            "ep2": ["parallelism=fsdp2", FP32, "mesh.ep_size=2"]}
-FOUR_RANKS = {  # (layouts of 4 ranks: one preset each in the suite)
+FOUR_RANKS = {  # (layouts of 4 ranks)
     "tp2_sp_cp2": TP2 + SP + ["mesh.cp_size=2", "distributed.nproc_per_node=4"],
     "pp2_tp2_sp": PP2 + ["pipeline=1f1b", "mesh.tp_size=2", "distributed.nproc_per_node=4"]
     + SP}
@@ -41,8 +46,8 @@ MIXED = ["data.image_every=2"]  # (one sample per micro-batch: half of them have
 @pytest.mark.parametrize("preset,layout", [
     (preset, layout) for preset in ("llava_tiny", "qwen2_vl_tiny", "gemma3_vl_tiny")
     for layout in LAYOUTS if (preset, layout) != ("gemma3_vl_tiny", "cp2") and layout != "ep2"]
-    + [("qwen2_vl_tiny", "tp2_sp_cp2"), ("qwen2_vl_tiny", "pp2_tp2_sp"),
-       ("gemma3_vl_tiny", "pp2_tp2_sp"),
+    + [("qwen2_vl_tiny", "tp2_sp_cp2"), ("llava_tiny", "pp2_tp2_sp"),
+       ("qwen2_vl_tiny", "pp2_tp2_sp"), ("gemma3_vl_tiny", "pp2_tp2_sp"),
        ("qwen3_vl_moe_tiny", "ep2"),  # (the router's loss on: placeholder rows left out)
        ("qwen3_vl_moe_tiny", "pp2_1f1b")])  # (its deepstack features: on the first stage)
 def test_presets_match_one_process(preset, layout, reference, tmp_path):
@@ -105,6 +110,40 @@ def test_more_families_take_one_step_like_one_process(tmp_path):
     for key, (tp, one) in ranks[0].items():
         assert ranks[1][key][0] == tp, key  # (one loss and norm on both ranks)
         assert tp == pytest.approx(one, rel=1e-5), key
+
+
+FROZEN = {  # layout: (overrides, the frozen tower's sharding policy)
+    "tp2": (["mesh.tp_size=2"], "replicate"), "cp2": (["mesh.cp_size=2"], "per_layer"),
+    "pp2": (["pipeline=1f1b", "pipeline.pp_microbatch_size=1"], "root")}
+
+
+def _frozen(rank, world):
+    from automodel.api import load_config
+    from automodel.distributed.init import DistInfo
+    from automodel.recipes.train import build_setup
+
+    warnings.simplefilter("ignore")
+    info = DistInfo("gloo", torch.device("cpu"), rank, world, rank)
+    out, one = {}, None
+    for layout, (over, policy) in FROZEN.items():
+        cfg = load_config(["parallelism=fsdp2", FP32, "mesh.dp_size=1", "model=llava_tiny",
+                           "data=synthetic", "trainer.global_batch_size=4",
+                           "model.freeze=[vision]",
+                           f"parallelism.multimodal.frozen_sharding={policy}", *over])
+        data = _batch(cfg)  # (4 rows, one image)
+        setup = build_setup(cfg, info)
+        if one is None:  # (one process, the tower frozen: the same step for every layout)
+            alone = dataclasses.replace(setup, strategy="none", mesh=None, cp=None)
+            one = _one_step(cfg, alone, data, slice(0, 4))
+        out[layout] = (_pipeline_step(cfg, setup, data) if setup.pp_enabled
+                       else _one_step(cfg, setup, data, slice(0, 4)))
+    return out, one
+
+
+def test_a_frozen_tower_under_each_sharding_policy_trains_like_one_process(tmp_path):
+    (out, one), _ = run_on_ranks(_frozen, 2, tmp_path=tmp_path)
+    for layout, got in out.items():
+        assert got == pytest.approx(one, rel=1e-5), layout
 
 
 SEEN = {"tp2": ["mesh.tp_size=2"], "tp2_sp": ["mesh.tp_size=2"] + SP, "cp2": ["mesh.cp_size=2"]}
