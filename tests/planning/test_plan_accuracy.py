@@ -1,9 +1,9 @@
 """The plan against the run (issue 27, "Proof"): for each layout of
 ``benchmarks/plan_accuracy.py`` (DDP, FSDP2, HSDP, TP2+SP, CP2, PP 1F1B and interleaved, EP2,
 full and selective activation checkpointing, CPU offload, an image-text model with a frozen
-vision tower, LoRA adapters under FSDP2, TP2+SP and 1F1B), one real job on gloo ranks and
-the plan of the same overrides, made in this process as ``plan.py`` makes it. One run serves
-three checks:
+vision tower and under TP2+SP, CP2 and 1F1B, LoRA adapters under FSDP2, TP2+SP and 1F1B),
+one real job on gloo ranks and the plan of the same overrides, made in this process as
+``plan.py`` makes it. One run serves three checks:
 
 - memory: each rank class's planned peak is within 10% of ``peak_tensor_bytes_by_rank`` of
   every rank of the class at steps 2 and 3 (its example rank included);

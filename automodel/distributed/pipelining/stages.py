@@ -11,6 +11,7 @@ from automodel.distributed.pipelining.split import build_stage, contents_from_fq
 from automodel.imports import load_object
 from automodel.loss import summed_cross_entropy
 from automodel.models.anatomy import find_anatomy
+from automodel.models.multimodal import text_config
 
 
 def stage_contents(model: nn.Module, anatomy, pipeline, pp_size: int) -> tuple:
@@ -89,7 +90,7 @@ def example_args(part: nn.Module, stage_id: int, num_stages: int, microbatch: in
     ``fused_head``: the last stage returns hidden states (its head joins the loss).
     ``seq_shards``: under sequence parallelism the TP degree: the hidden states passed
     between stages are each rank's ``seq_len // seq_shards`` tokens (``sequence_shards.py``)."""
-    cfg = part.config
+    cfg = text_config(part.config)  # (an image-text model's: its language model's)
     between = seq_len // seq_shards
 
     def activation(*shape):  # activations carry gradients back: examples must say so
