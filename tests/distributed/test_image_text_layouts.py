@@ -4,7 +4,8 @@ sequence parallelism), context parallelism, pipelines and expert parallelism.
 - the three presets (LLaVA, Qwen2-VL, Gemma 3) with a trainable tower, one image every other
   sample and one sample per micro-batch (micro-batches without an image), 5 steps: losses
   and gradient norms match one process (fp32) under TP2, TP2+SP, CP2 (Gemma 3: refused
-  under CP), 1F1B and interleaved pipelines; Qwen2-VL under TP2+SP x CP2, the three presets
+  under CP), 1F1B and interleaved pipelines (Qwen2-VL zero bubble, Gemma 3 the V schedule
+  too); Qwen2-VL under TP2+SP x CP2, the three presets
   under PP2 x TP2+SP; the MoE preset (Qwen3-VL-MoE, router loss on) under EP2 and PP2; the
   default precision trains close to fp32 under TP2+SP, CP2, PP2 and EP2;
 - four more families (Mistral 3, Idefics 3, Qwen2.5-VL, Janus), one step each, TP2, TP2+SP,
@@ -48,11 +49,14 @@ MIXED = ["data.image_every=2"]  # (one sample per micro-batch: half of them have
     for layout in LAYOUTS if (preset, layout) != ("gemma3_vl_tiny", "cp2") and layout != "ep2"]
     + [("qwen2_vl_tiny", "tp2_sp_cp2"), ("llava_tiny", "pp2_tp2_sp"),
        ("qwen2_vl_tiny", "pp2_tp2_sp"), ("gemma3_vl_tiny", "pp2_tp2_sp"),
+       ("qwen2_vl_tiny", "pp2_zero_bubble"),  # (backward split in input and weight parts)
+       ("gemma3_vl_tiny", "pp2_v_schedule"),  # (rank 0 holds the first and the last stage)
        ("qwen3_vl_moe_tiny", "ep2"),  # (the router's loss on: placeholder rows left out)
        ("qwen3_vl_moe_tiny", "pp2_1f1b")])  # (its deepstack features: on the first stage)
 def test_presets_match_one_process(preset, layout, reference, tmp_path):
     run = [f"model={preset}"] + MIXED
-    over = FOUR_RANKS[layout] if layout in FOUR_RANKS else LAYOUTS[layout]
+    over = (FOUR_RANKS[layout] if layout in FOUR_RANKS else LAYOUTS[layout]
+            if layout in LAYOUTS else PP2 + [f"pipeline={layout.removeprefix('pp2_')}"])
     records = train(over + ["trainer.local_batch_size=1"] + run, tmp_path)
     assert_matches(records, reference(*run))
 
