@@ -39,7 +39,7 @@ from automodel.distributed.setup import DistributedSetup
 from automodel.distributed.tensor_parallel import apply_tp, expand_plan
 from automodel.loss import HeadLoss
 from automodel.models.parts import block_fqns, replace_module, select_blocks
-from automodel.models.tp_plans import select_tp_plan
+from automodel.models.tp_plans import select_tp_plan, vision_tp
 
 
 @dataclass
@@ -61,7 +61,8 @@ def parallelize(model: nn.Module, setup: DistributedSetup,
     parts, after sharding (FSDP2) or before wrapping (DDP, none: they hold whole weights)."""
     tp_plan = None
     if setup.size(MeshAxis.TP) > 1:
-        tp_plan = select_tp_plan(model, setup.options.tp_plan)
+        tp_plan = select_tp_plan(model, setup.options.tp_plan, vision_tp(setup.options),
+                                 setup.size(MeshAxis.TP))
         expand_plan(model, *tp_plan)  # every pattern must match the whole model
     if setup.pp_enabled:  # (torch's pipelining imports the compiler stack: only when used)
         from automodel.distributed.pipelining.sequence_shards import (

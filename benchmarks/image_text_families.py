@@ -33,6 +33,7 @@ SP = ["parallelism.sequence_parallel=true"]
 LAYOUTS = {  # name: (ranks, overrides)
     "tp2": (2, ["mesh.tp_size=2"]),
     "tp2_sp": (2, ["mesh.tp_size=2"] + SP),
+    "tp2_heads": (2, ["mesh.tp_size=2", "parallelism.multimodal.vision.tp=heads"]),
     "cp2": (2, ["mesh.cp_size=2"]),
     "tp2_sp_cp2": (4, ["mesh.tp_size=2", "mesh.cp_size=2"] + SP),
     "ep2": (2, ["mesh.ep_size=2"]),

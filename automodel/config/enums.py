@@ -96,6 +96,14 @@ class VisionUnit(Choice):
     tower = "tower"
 
 
+class VisionTP(Choice):
+    """``parallelism.multimodal.vision.tp``: under tensor parallelism, the tower whole on
+    every TP rank, or its attention heads and MLP split (``models/vision_tp.py``)."""
+
+    whole = "whole"
+    heads = "heads"
+
+
 class WandbMode(Choice):
     """``logger.wandb.mode`` (null: W&B's WANDB_MODE, else online)."""
 
@@ -149,6 +157,7 @@ class ACMode(Choice):
 NOTES = {
     "Loss": " (auto: the LM head fused with the loss where that is exact)",
     "VisionUnit": " (each tower block its own FSDP2 unit, or the whole tower one unit)",
+    "VisionTP": " (the tower whole on every TP rank, or split by attention heads)",
     "WandbMode": " (W&B's WANDB_MODE, else online)",
     "PeftMethod": " (the peft group: peft=none, peft=lora or peft=qlora)",
     "LoraInit": " (A's initialization; B starts at zero)",

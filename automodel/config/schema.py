@@ -18,6 +18,7 @@ from automodel.config.enums import (
     Loss,
     OnNonfinite,
     PeftMethod,
+    VisionTP,
     VisionUnit,
     WandbMode,
 )
@@ -92,6 +93,7 @@ class VisionConfig:
     unit: VisionUnit = VisionUnit.layer  # layer: each tower block its own unit | tower: the
     # tower one unit
     reshard_after_forward: Optional[bool] = None  # null = as the language blocks
+    tp: VisionTP = VisionTP.whole  # under mesh.tp_size > 1: whole | heads (split by heads)
 
 
 @dataclass

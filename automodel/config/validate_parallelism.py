@@ -89,6 +89,10 @@ def check_fsdp2(par, layout: Layout):
     _positive("parallelism.fsdp2_forward_prefetch_depth", par.fsdp2_forward_prefetch_depth, 0)
     _positive("parallelism.fsdp2_backward_prefetch_depth", par.fsdp2_backward_prefetch_depth, 0)
     # (multimodal.frozen_sharding and vision.unit are enums: their schema refuses others)
+    if str(par.multimodal.vision.tp) == "heads" and layout.tp == 1:
+        raise ConfigError("parallelism.multimodal.vision.tp=heads splits the vision tower over "
+                          "the TP ranks, but mesh.tp_size=1; set mesh.tp_size > 1, or "
+                          "parallelism.multimodal.vision.tp=whole")
     _warn_idle_sequence_parallel(par, layout)
     return dataclasses.replace(
         resolved, mp_policy=resolve_policy("parallelism.mp_policy", par.mp_policy),

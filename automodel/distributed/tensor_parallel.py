@@ -44,6 +44,7 @@ from automodel.distributed.tp_heads import localize_head_counts
 from automodel.distributed.tp_image_text import ShardSequenceOnEntry
 from automodel.distributed.tp_lora_styles import lora_style
 from automodel.models.multimodal import language_stack, text_config
+from automodel.models.parts import group_of
 from automodel.models.tp_plans import matches
 from automodel.peft.lora import LoraLinear
 
@@ -217,7 +218,6 @@ def plan_gap(model: nn.Module, concrete: dict[str, str], block_fqns: list[str],
     (``rowwise``) with no input projection split by its output before it; under sequence
     parallelism, a child whose output is not reduced back to sequence shards (no row-wise
     projection: it would take and return the sharded stream whole)."""
-    from automodel.models.parts import group_of
 
     for block in [b for b in block_fqns if group_of(b) == "language"]:
         for name, child in model.get_submodule(block).named_children():
@@ -301,8 +301,11 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: dict, source: str,
         if name == "mla_kv_a_proj":
             module.rope_dim = text_config(model.config).qk_rope_head_dim
         in_block = any(fqn.startswith(b + ".") for b in block_fqns)
+        # (an image-text model's tower and projector take whole images: no SP inside them)
+        sp = sequence_parallel and (stack is None or group_of(fqn) not in ("vision",
+                                                                           "multimodal"))
         style = (VocabParallelHead() if fqn == vocab_parallel_head
-                 else _style(name, module, sequence_parallel, in_block, stack is not None))
+                 else _style(name, module, sp, in_block, stack is not None))
         if isinstance(module, LoraLinear) and style is not None:
             style = _with_adapters(fqn, name, style)
         if style is not None:

@@ -107,10 +107,11 @@ def _check_tp_plan(cfg: TrainConfig, model) -> int:
     )
     from automodel.models.multimodal import is_image_text
     from automodel.models.parts import block_fqns
-    from automodel.models.tp_plans import select_tp_plan
+    from automodel.models.tp_plans import select_tp_plan, vision_tp
 
     tp = cfg.mesh.tp_size
-    plan, source = select_tp_plan(model, getattr(cfg.parallelism, "tp_plan", None))
+    plan, source = select_tp_plan(model, getattr(cfg.parallelism, "tp_plan", None),
+                                  vision_tp(cfg.parallelism), tp)
     concrete = expand_plan(model, plan, source)
     check_divisibility(model, concrete, tp)
     sp = getattr(cfg.parallelism, "sequence_parallel", False)

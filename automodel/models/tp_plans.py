@@ -99,8 +99,20 @@ def _fqn_of(model: nn.Module, target: nn.Module) -> str:
     return next(name for name, mod in model.named_modules() if mod is target)
 
 
-def select_tp_plan(model: nn.Module, user_plan: Any) -> tuple[dict, str]:
-    """(plan, where it came from)."""
+def select_tp_plan(model: nn.Module, user_plan: Any, vision_tp: str = "whole",
+                   tp: int = 1) -> tuple[dict, str]:
+    """(plan, where it came from); ``vision_tp=heads``: with an image-text model's tower split
+    ``tp`` ways by heads (``models/vision_tp.py``)."""
+    plan, source = _selected(model, user_plan)
+    if vision_tp == "heads":
+        from automodel.models.vision_tp import vision_plan
+
+        plan = {**plan, **vision_plan(model, tp)}
+        source += " and the vision tower's by heads (parallelism.multimodal.vision.tp)"
+    return plan, source
+
+
+def _selected(model: nn.Module, user_plan: Any) -> tuple[dict, str]:
     if isinstance(user_plan, dict):
         return dict(user_plan), "parallelism.tp_plan"
     if isinstance(user_plan, str):
@@ -109,3 +121,10 @@ def select_tp_plan(model: nn.Module, user_plan: Any) -> tuple[dict, str]:
     if plan is not None:
         return plan, f"{type(model).__name__}'s Hugging Face plan"
     return dict(LLAMA_STYLE_PLAN), "the Llama-style fallback plan"
+
+
+def vision_tp(options) -> str:
+    """``parallelism.multimodal.vision.tp`` of a strategy's options ("whole" where it has
+    none)."""
+    multimodal = getattr(options, "multimodal", None)
+    return str(getattr(getattr(multimodal, "vision", None), "tp", "whole"))

@@ -37,6 +37,8 @@ PP2 = ["parallelism=fsdp2", FP32, "pipeline.pp_microbatch_size=1"]
 LAYOUTS = {"tp2": TP2, "tp2_sp": TP2 + SP, "cp2": CP2, "pp2_1f1b": PP2 + ["pipeline=1f1b"],
            "pp2_interleaved": PP2 + ["pipeline=interleaved"],
            "ep2": ["parallelism=fsdp2", FP32, "mesh.ep_size=2"]}
+HEADS = ["parallelism.multimodal.vision.tp=heads"]  # (the tower split by heads too)
+VISION_TP = {"tp2_heads": TP2 + HEADS, "tp2_sp_heads": TP2 + SP + HEADS}
 FOUR_RANKS = {  # (layouts of 4 ranks)
     "tp2_sp_cp2": TP2 + SP + ["mesh.cp_size=2", "distributed.nproc_per_node=4"],
     "pp2_tp2_sp": PP2 + ["pipeline=1f1b", "mesh.tp_size=2", "distributed.nproc_per_node=4"]
@@ -49,24 +51,26 @@ MIXED = ["data.image_every=2"]  # (one sample per micro-batch: half of them have
     for layout in LAYOUTS if (preset, layout) != ("gemma3_vl_tiny", "cp2") and layout != "ep2"]
     + [("qwen2_vl_tiny", "tp2_sp_cp2"), ("llava_tiny", "pp2_tp2_sp"),
        ("qwen2_vl_tiny", "pp2_tp2_sp"), ("gemma3_vl_tiny", "pp2_tp2_sp"),
+       ("gemma3_vl_tiny", "tp2_heads"), ("llava_tiny", "tp2_sp_heads"),
        ("qwen2_vl_tiny", "pp2_zero_bubble"),  # (backward split in input and weight parts)
        ("gemma3_vl_tiny", "pp2_v_schedule"),  # (rank 0 holds the first and the last stage)
        ("qwen3_vl_moe_tiny", "ep2"),  # (the router's loss on: placeholder rows left out)
        ("qwen3_vl_moe_tiny", "pp2_1f1b")])  # (its deepstack features: on the first stage)
 def test_presets_match_one_process(preset, layout, reference, tmp_path):
     run = [f"model={preset}"] + MIXED
-    over = (FOUR_RANKS[layout] if layout in FOUR_RANKS else LAYOUTS[layout]
-            if layout in LAYOUTS else PP2 + [f"pipeline={layout.removeprefix('pp2_')}"])
+    named = {**LAYOUTS, **FOUR_RANKS, **VISION_TP}
+    over = named.get(layout) or PP2 + [f"pipeline={layout.removeprefix('pp2_')}"]
     records = train(over + ["trainer.local_batch_size=1"] + run, tmp_path)
     assert_matches(records, reference(*run))
 
 
-@pytest.mark.parametrize("layout,preset", [("tp2_sp", "llava_tiny"), ("cp2", "llava_tiny"),
-                                           ("pp2_1f1b", "llava_tiny"),
+@pytest.mark.parametrize("layout,preset", [("tp2_sp_heads", "llava_tiny"),
+                                           ("cp2", "llava_tiny"), ("pp2_1f1b", "llava_tiny"),
                                            ("ep2", "qwen3_vl_moe_tiny")])
 def test_the_default_precision_trains_close_to_fp32(layout, preset, reference, tmp_path):
     run = [f"model={preset}"] + MIXED
-    records = train([o for o in LAYOUTS[layout] if o != FP32] + run, tmp_path)
+    over = {**LAYOUTS, **VISION_TP}[layout]
+    records = train([o for o in over if o != FP32] + run, tmp_path)
     assert_close_to_fp32(records, reference(*run), loss_rtol=2e-2)
 
 
@@ -150,7 +154,8 @@ def test_a_frozen_tower_under_each_sharding_policy_trains_like_one_process(tmp_p
         assert got == pytest.approx(one, rel=1e-5), layout
 
 
-SEEN = {"tp2": ["mesh.tp_size=2"], "tp2_sp": ["mesh.tp_size=2"] + SP, "cp2": ["mesh.cp_size=2"]}
+SEEN = {"tp2": ["mesh.tp_size=2"], "tp2_sp": ["mesh.tp_size=2"] + SP, "cp2": ["mesh.cp_size=2"],
+        "tp2_sp_heads": ["mesh.tp_size=2"] + SP + HEADS}
 
 
 def _seen(rank, world, layout):
@@ -195,7 +200,12 @@ def _seen(rank, world, layout):
 def test_the_tower_stays_whole_and_the_language_model_takes_sequence_shards(layout, tmp_path):
     (placed, inputs), (placed_1, inputs_1) = run_on_ranks(_seen, 2, layout, tmp_path=tmp_path)
     tower = {n: v for n, v in placed.items() if ".vision_tower." in n}
-    assert tower and set(tower.values()) == {"whole"}  # (replicated over TP, not split)
+    if layout == "tp2_sp_heads":  # (attention by heads, MLP by hidden size; norms whole)
+        attention = "model.vision_tower.encoder.layers.0.self_attn."
+        assert [tower[attention + k] for k in ("q_proj.weight", "out_proj.weight")] == \
+            ["Shard", "Shard"] and "whole" in tower.values()
+    else:
+        assert tower and set(tower.values()) == {"whole"}  # (replicated over TP, not split)
     layer = "model.language_model.layers.0."
     split = "whole" if layout == "cp2" else "Shard"
     assert placed[layer + "self_attn.q_proj.weight"] == split
@@ -203,7 +213,7 @@ def test_the_tower_stays_whole_and_the_language_model_takes_sequence_shards(layo
     kind, whole, local = inputs["language"]
     assert inputs["tower"][1] == inputs["tower"][2]  # (the tower: whole images on each rank)
     assert inputs["tower"] == inputs_1["tower"]
-    if layout == "tp2_sp":  # each TP rank its half of the merged sequence, a DTensor
+    if layout.startswith("tp2_sp"):  # each TP rank its half of the merged sequence
         assert kind == "DTensor" and local == (whole[0], whole[1] // 2, whole[2])
     elif layout == "cp2":  # each cp rank its two chunks (of four) of the merged sequence
         length = 2 * whole[1]
@@ -308,6 +318,26 @@ def test_what_a_family_s_plan_cannot_do_is_refused_before_launch(family, sp, exp
 
     cfg = load_config(TP2 + (SP if sp else []) + ["mesh.dp_size=1", "model=llava_tiny",
                                                   "data=synthetic"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(ConfigError) as info:
+            check_model_layout(_with_model(cfg, family))
+    assert expected in str(info.value)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("family,tp,expected", [
+    ("qwen2_vl", 2, "model.visual.blocks.0.attn.qkv (32 -> 96) is neither an input projection"),
+    ("llava", 4, "mesh.tp_size=4 must divide the tower's attention heads (2, vision_config"),
+])
+def test_a_tower_that_cannot_split_by_heads_is_refused_before_launch(family, tp, expected):
+    from automodel.api import load_config
+    from automodel.config.build import ConfigError
+    from automodel.launch.preflight import check_model_layout
+
+    cfg = load_config(["parallelism=fsdp2", f"mesh.tp_size={tp}", "mesh.dp_size=1",
+                       f"distributed.nproc_per_node={tp}", "model=llava_tiny",
+                       "data=synthetic"] + HEADS)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with pytest.raises(ConfigError) as info:
