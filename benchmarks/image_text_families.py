@@ -73,7 +73,7 @@ def _one_family(rank, world, cfg, plain, family):
     why = _refusal(run)
     if why[0] is not None:
         return f"REFUSED {why[0]}"
-    data = _batch(run)
+    data = _batch(run, multiple=8)  # (context parallelism: 2 * cp chunks)
     setup = build_setup(run, info)
     alone = _with_model(plain, family)
     one = dataclasses.replace(build_setup(alone, info), strategy="none", mesh=None, cp=None)

@@ -105,14 +105,15 @@ def _with_model(cfg, model_type):
         return dataclasses.replace(cfg, model=ModelConfig(config=tiny_config(model_type)))
 
 
-def _batch(cfg):
-    """Four rows; only the first has an image: rank 1 of two holds none."""
+def _batch(cfg, multiple: int = 1):
+    """Four rows; only the first has an image: rank 1 of two holds none. ``multiple``: the
+    inputs' length is a multiple of it (context parallelism: of 2 * cp)."""
     from automodel.data.image_text import add_images, synthetic_format
     from automodel.models.builder import build_meta_model
 
     meta = build_meta_model(cfg.model)
     fmt, count = synthetic_format(meta.config, meta, seed=0)
-    width = -(-(count + 8) // 8) * 8 + 1  # (inputs a multiple of 8 tokens: 2 * cp for cp 4)
+    width = -(-(count + 8) // multiple) * multiple + 1
     rows = torch.randint(0, 250, (4, width), generator=torch.Generator().manual_seed(0))
     return add_images(rows, fmt, count, image_every=4)
 

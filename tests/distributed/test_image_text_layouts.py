@@ -25,7 +25,8 @@ import warnings
 import pytest
 import torch
 
-from tests.distributed.test_image_text_families import _batch, _one_step, _with_model
+from tests.distributed.test_image_text_families import _batch as _any_batch
+from tests.distributed.test_image_text_families import _one_step, _with_model
 from tests.distributed.test_parity import assert_close_to_fp32, assert_matches
 from tests.helpers import FP32, run_on_ranks, train
 
@@ -44,6 +45,11 @@ FOUR_RANKS = {  # (layouts of 4 ranks)
     "pp2_tp2_sp": PP2 + ["pipeline=1f1b", "mesh.tp_size=2", "distributed.nproc_per_node=4"]
     + SP}
 MIXED = ["data.image_every=2"]  # (one sample per micro-batch: half of them have no image)
+
+
+def _batch(cfg):
+    """The families' batch, its inputs a multiple of 8 tokens (2 * cp for up to cp 4)."""
+    return _any_batch(cfg, multiple=8)
 
 
 @pytest.mark.parametrize("preset,layout", [
