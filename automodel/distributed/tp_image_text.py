@@ -69,7 +69,11 @@ def context_parallel_refusal(model: nn.Module) -> str | None:
     the language layers at positions of the whole sequence (deepstack); a language model
     whose attention implementation cannot be set apart from the tower's."""
     from automodel.compat import can_set_attn_implementation
-    from automodel.models.multimodal import attends_images_both_ways, forward_inputs, language_stack
+    from automodel.models.multimodal import (
+        adds_features_inside_layers,
+        attends_images_both_ways,
+        language_stack,
+    )
     from automodel.models.parts import block_fqns
 
     stack = language_stack(model, block_fqns(model))
@@ -79,7 +83,7 @@ def context_parallel_refusal(model: nn.Module) -> str | None:
         return ("lets its image tokens attend to each other both ways (it takes "
                 "token_type_ids); the context-parallel attention is causal only")
     language = model.get_submodule(stack)
-    if "visual_pos_masks" in forward_inputs(language):
+    if adds_features_inside_layers(model):
         return ("adds image features inside its language layers at image positions of the "
                 "whole sequence (deepstack)")
     if not (hasattr(language, "set_attn_implementation")

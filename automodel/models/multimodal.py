@@ -54,6 +54,16 @@ def attends_images_both_ways(model: nn.Module) -> bool:
     return IMAGE_TOKEN_MASKS[0] in forward_inputs(model)
 
 
+def adds_features_inside_layers(model: nn.Module) -> bool:
+    """Whether the model adds image features inside its language layers, at the image
+    positions (Qwen3-VL's deepstack: its language model takes ``visual_pos_masks``)."""
+    from automodel.models.parts import block_fqns
+
+    stack = language_stack(model, block_fqns(model))
+    return stack is not None and "visual_pos_masks" in forward_inputs(
+        model.get_submodule(stack))
+
+
 def derives_positions(model: nn.Module) -> bool:
     """Whether the model computes its own (multi-axis rotary) positions from the image grid
     (Qwen2-VL families): the step must then pass no ``position_ids``."""

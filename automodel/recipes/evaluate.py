@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from automodel.data.batches import IGNORE_INDEX, BatchPlan
 from automodel.distributed.setup import DistributedSetup
-from automodel.recipes.pipeline_step import loader_options
+from automodel.recipes.pipeline_step import step_loader_options
 from automodel.recipes.step import device_batches, forward_loss
 
 
@@ -43,9 +43,7 @@ class Evaluator:
             for index in range(int(self.batches)):
                 micro = self.plan.micro_batches(
                     index, setup.dp_rank, setup.dp_size,
-                    **loader_options(setup.pipeline if self.pipeline else None,
-                                     bool(self.pipeline and self.pipeline.images),
-                                     self.trainer.local_batch_size))
+                    **step_loader_options(self.pipeline, self.trainer.local_batch_size))
                 if self.pipeline is not None:
                     sums += self.pipeline.evaluate(micro)
                     continue

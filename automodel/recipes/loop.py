@@ -22,7 +22,7 @@ from automodel.distributed.setup import DistributedSetup
 from automodel.launch.failure import set_phase
 from automodel.launch.signals import StopSignal
 from automodel.recipes.components import Components
-from automodel.recipes.pipeline_step import loader_options
+from automodel.recipes.pipeline_step import step_loader_options
 from automodel.recipes.step import train_step
 from automodel.recipes.step_log import StepLog
 from automodel.recipes.step_values import StepValues, read_step
@@ -88,9 +88,7 @@ def start_run(cfg: TrainConfig, setup: DistributedSetup, parts: Components, outp
     stop = StopSignal().install()
     profiler = StepProfiler(t.profile_steps, output_dir, info.rank, info.is_main,
                             info.device.type)
-    plan, pipeline = parts.plan, parts.pipeline
-    options = loader_options(setup.pipeline if pipeline else None,
-                             bool(pipeline and pipeline.images), t.local_batch_size)
+    plan, options = parts.plan, step_loader_options(parts.pipeline, t.local_batch_size)
     batches = Prefetcher(
         lambda step: plan.micro_batches(step, setup.dp_rank, setup.dp_size, **options),
         t.prefetch_steps, last_step, pin_memory=setup.device.type == "cuda")

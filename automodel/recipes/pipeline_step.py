@@ -218,6 +218,12 @@ def loader_options(pipeline, image_text: bool, local_batch_size: int) -> dict:
     return {"local_batch_size": pipeline.pp_microbatch_size, "placeholder_row": False}
 
 
+def step_loader_options(step: PipelineStep | None, local_batch_size: int) -> dict:
+    """``loader_options`` of a job's pipeline step (None: no pipeline)."""
+    return loader_options(step.setup.pipeline if step else None, bool(step and step.images),
+                          local_batch_size)
+
+
 def _rows(stage_kwargs: dict, start: int, count: int) -> dict:
     """The stages' keyword inputs of rows ``start .. start + count``."""
     return {k: v[start:start + count] for k, v in stage_kwargs.items()}

@@ -9,7 +9,8 @@ sequence parallelism), context parallelism, pipelines and expert parallelism.
   under PP2 x TP2+SP; the MoE preset (Qwen3-VL-MoE, router loss on) under EP2 and PP2; the
   default precision trains close to fp32 under TP2+SP, CP2, PP2 and EP2;
 - four more families (Mistral 3, Idefics 3, Qwen2.5-VL, Janus), one step each, TP2, TP2+SP,
-  CP2 and a 1F1B pipeline of two stages;
+  CP2 and a 1F1B pipeline of two stages (GLM-5-Next too, its multi-stream residual passed
+  between the stages);
 - the effects: the tower's weights whole on every TP rank, the language model's split; under
   SP and CP the first language block takes its rank's part of the sequence, the tower and the
   merge the whole sequence; under a pipeline the first stage holds the tower and runs it in
@@ -94,7 +95,9 @@ def _families(rank, world, families):
     for layout in ("tp2", "tp2_sp", "cp2", "pp2_1f1b"):
         cfg = load_config(LAYOUTS[layout] + ["mesh.dp_size=1", "model=llava_tiny",
                                              "data=synthetic", "trainer.global_batch_size=4"])
-        for family in families:
+        # (GLM-5-Next: a residual of several streams, [batch, seq, streams, hidden], between
+        # the stages)
+        for family in families + (["glm5_next"] if layout == "pp2_1f1b" else []):
             run = _with_model(cfg, family)
             data = _batch(run)  # (4 rows, one image)
             setup = build_setup(run, info)
@@ -318,17 +321,21 @@ def test_the_first_stage_holds_the_tower_and_runs_it_in_every_micro_batch(tmp_pa
     ("step3p7", True, "layers.0.mlp (Step3p7MLP) has no row-wise projection in the plan"),
 ])
 def test_what_a_family_s_plan_cannot_do_is_refused_before_launch(family, sp, expected):
+    assert expected in _refusal(family, TP2 + (SP if sp else []))
+
+
+def _refusal(family: str, layout: list) -> str:
+    """The preflight's refusal of ``family`` (tiny) in ``layout`` (it must refuse)."""
     from automodel.api import load_config
     from automodel.config.build import ConfigError
     from automodel.launch.preflight import check_model_layout
 
-    cfg = load_config(TP2 + (SP if sp else []) + ["mesh.dp_size=1", "model=llava_tiny",
-                                                  "data=synthetic"])
+    cfg = load_config(layout + ["mesh.dp_size=1", "model=llava_tiny", "data=synthetic"])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with pytest.raises(ConfigError) as info:
             check_model_layout(_with_model(cfg, family))
-    assert expected in str(info.value)
+    return str(info.value)
 
 
 @pytest.mark.fast
@@ -337,18 +344,8 @@ def test_what_a_family_s_plan_cannot_do_is_refused_before_launch(family, sp, exp
     ("llava", 4, "mesh.tp_size=4 must divide the tower's attention heads (2, vision_config"),
 ])
 def test_a_tower_that_cannot_split_by_heads_is_refused_before_launch(family, tp, expected):
-    from automodel.api import load_config
-    from automodel.config.build import ConfigError
-    from automodel.launch.preflight import check_model_layout
-
-    cfg = load_config(["parallelism=fsdp2", f"mesh.tp_size={tp}", "mesh.dp_size=1",
-                       f"distributed.nproc_per_node={tp}", "model=llava_tiny",
-                       "data=synthetic"] + HEADS)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with pytest.raises(ConfigError) as info:
-            check_model_layout(_with_model(cfg, family))
-    assert expected in str(info.value)
+    assert expected in _refusal(family, ["parallelism=fsdp2", f"mesh.tp_size={tp}",
+                                         f"distributed.nproc_per_node={tp}"] + HEADS)
 
 
 @pytest.mark.fast
@@ -363,16 +360,8 @@ def test_a_tower_that_cannot_split_by_heads_is_refused_before_launch(family, tp,
     ("got_ocr2", "does not run its attention through transformers' attention interface"),
 ])
 def test_what_a_family_cannot_split_over_cp_ranks_is_refused_before_launch(family, expected):
-    from automodel.api import load_config
-    from automodel.config.build import ConfigError
-    from automodel.launch.preflight import check_model_layout
-
-    cfg = load_config(CP2 + ["mesh.dp_size=1", "model=llava_tiny", "data=synthetic"])
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with pytest.raises(ConfigError) as info:
-            check_model_layout(_with_model(cfg, family))
-    assert "mesh.cp_size=2" in str(info.value) and expected in str(info.value)
+    why = _refusal(family, CP2)
+    assert "mesh.cp_size=2" in why and expected in why
 
 
 @pytest.mark.fast

@@ -139,11 +139,9 @@ def check_first_stage(model: nn.Module, layers: int) -> None:
     """Raise ``ValueError`` when image features the model adds inside its language layers
     (Qwen3-VL's deepstack: after each of its first layers) would reach a layer outside the
     first stage (``layers``: how many it holds), where no image is."""
-    from automodel.models.multimodal import forward_inputs, language_stack
-    from automodel.models.parts import block_fqns
+    from automodel.models.multimodal import adds_features_inside_layers
 
-    stack = language_stack(model, block_fqns(model))
-    if "visual_pos_masks" not in forward_inputs(model.get_submodule(stack)):
+    if not adds_features_inside_layers(model):
         return
     depth = getattr(model.config.vision_config, "deepstack_visual_indexes", None)
     if depth is None:
