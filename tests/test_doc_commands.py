@@ -34,7 +34,8 @@ RECIPES = "docs/recipes.md"
 # Placeholder -> fixture path (relative to the fixture folder), per document. "*" applies to all.
 PLACEHOLDERS = {
     "*": {"$LLAMA_8B_INSTRUCT": "llama3_1_8b", "$LLAMA_70B_INSTRUCT": "llama3_1_70b",
-          "$QWEN3_30B_A3B": "qwen3_30b_a3b", "$DATA": "data", "$EXP": "exp"},
+          "$QWEN3_30B_A3B": "qwen3_30b_a3b", "$LLAVA_NEXT_72B": "llava_next_72b",
+          "$DATA": "data", "$EXP": "exp"},
     "docs/checkpoints.md": {"outputs/.../checkpoints/step_00000300":
                             "exp/checkpoints/step_00000300"},
     "docs/data.md": {"/data/my_corpus": "data/my_corpus", "/models/my_tokenizer": "tokenizer",
@@ -67,7 +68,20 @@ QWEN3_30B_A3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144
                      num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
                      max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
                      tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151645)
-REAL_PARAMETERS = {"llama3_1_8b": 8.03e9, "llama3_1_70b": 70.6e9, "qwen3_30b_a3b": 30.5e9}
+# llava-hf/llava-next-72b-hf: a CLIP ViT-L/14 tower at 336 pixels and Qwen1.5-72B-Chat
+LLAVA_NEXT_72B = dict(
+    vision_config=dict(model_type="clip_vision_model", hidden_size=1024, intermediate_size=4096,
+                       projection_dim=768, num_hidden_layers=24, num_attention_heads=16,
+                       image_size=336, patch_size=14, vocab_size=32000),
+    text_config=dict(model_type="qwen2", vocab_size=152064, hidden_size=8192,
+                     intermediate_size=24576, num_hidden_layers=80, num_attention_heads=64,
+                     num_key_value_heads=64, max_position_embeddings=32768,
+                     rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False),
+    image_token_index=151646, vision_feature_layer=-2, vision_feature_select_strategy="default",
+    image_grid_pinpoints=[[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]],
+    tie_word_embeddings=False)
+REAL_PARAMETERS = {"llama3_1_8b": 8.03e9, "llama3_1_70b": 70.6e9, "qwen3_30b_a3b": 30.5e9,
+                   "llava_next_72b": 72.7e9}
 # The batch scripts docs/recipes.md shows, each verbatim from its file
 SCRIPTS = ROOT / "examples" / "slurm"
 
@@ -209,7 +223,7 @@ COMMANDS = collect()
 def doc_files(tmp_path_factory):
     """The files the docs' placeholders stand for: real-size model configs (no weights) with
     a small word-level tokenizer that has a chat template, data files and folders."""
-    from transformers import AutoConfig, LlamaConfig, Qwen3MoeConfig
+    from transformers import AutoConfig, LlamaConfig, LlavaNextConfig, Qwen3MoeConfig
 
     from automodel.api import load_config
     from tests.helpers import chat_records, save_chat_tokenizer
@@ -222,6 +236,8 @@ def doc_files(tmp_path_factory):
                          ("qwen3_30b_a3b", Qwen3MoeConfig(**QWEN3_30B_A3B))):
         config.save_pretrained(root / name)
         tok.save_pretrained(root / name)
+    LlavaNextConfig(**LLAVA_NEXT_72B).save_pretrained(root / "llava_next_72b")
+    tok.save_pretrained(root / "llava_next_72b")
     llava = load_config(["model=llava_tiny"]).model.config
     AutoConfig.for_model(**llava).save_pretrained(root / "llava")
     data = root / "data"
@@ -229,6 +245,7 @@ def doc_files(tmp_path_factory):
     (data / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in chat))
     (data / "sft.jsonl").write_text(json.dumps({"question": "q", "answer": "a"}) + "\n")
     (data / "samples.jsonl").write_text(json.dumps({"text": "a"}) + "\n")
+    (data / "images.jsonl").write_text(json.dumps({"text": "a"}) + "\n")
     (data / "shards" / "a.parquet").write_bytes(b"")
     (data / "my_corpus").mkdir()
     import numpy as np
@@ -325,10 +342,9 @@ def test_the_docs_have_commands():
     where = {c.doc for c in COMMANDS}
     assert {"README.md", RECIPES, "docs/data.md", "docs/mixture_of_experts.md"} <= where
     recipes = [c for c in COMMANDS if c.doc == RECIPES and c.launcher != "plan"]
-    assert [c.launcher for c in recipes] == ["srun", "submitter", "srun", "srun", "srun", "srun",
-                                             "srun"]
-    assert [c.world for c in recipes] == [16, 16, 16, 16, 32, 8, 2]
-    assert [c.gpus_per_node for c in recipes] == [8] * 6 + [2]
+    assert [c.launcher for c in recipes] == ["srun", "submitter"] + ["srun"] * 6
+    assert [c.world for c in recipes] == [16, 16, 16, 16, 32, 8, 2, 16]
+    assert [c.gpus_per_node for c in recipes] == [8] * 6 + [2, 8]
     plans = [c for c in COMMANDS if c.doc == RECIPES and c.launcher == "plan"]
     assert len(plans) == len(list(SCRIPTS.glob("*.sbatch")))  # one plan.py line per script
     kinds = {c.launcher for c in COMMANDS}
@@ -360,6 +376,7 @@ RECIPE_LAYOUTS = {  # (pp, dp_replicate, dp_shard, tp, ep) of each recipe, as it
     "llama3_1_8b": {(1, 2, 8, 1, 1), (2, 1, 1, 8, 1)},
     "llama3_1_70b": {(4, 1, 2, 4, 1), (1, 1, 8, 1, 1), (1, 1, 2, 1, 1)},  # (full; LoRA; QLoRA)
     "qwen3_30b_a3b": {(1, 1, 16, 1, 8)},
+    "llava_next_72b": {(2, 1, 1, 8, 1)},
 }
 
 

@@ -6,8 +6,9 @@ Reads the model weights of a torch.distributed.checkpoint directory in one proce
 a process group (DCP reassembles DDP, FSDP2 and TP shards and pipeline stages into full
 tensors), builds the model from the saved ``model_config.json`` on the meta device (no
 memory for a second copy), and writes ``save_pretrained`` safetensors plus the config, and the
-tokenizer when the run used one. The result loads with ``AutoModelForCausalLM.from_pretrained``
-and as ``model.pretrained_path``. A ``peft=lora`` run's checkpoint is written merged
+tokenizer when the run used one (an image-text model's processor). The result loads with
+``AutoModelForCausalLM.from_pretrained`` (``AutoModelForImageTextToText``) and as
+``model.pretrained_path``. A ``peft=lora`` run's checkpoint is written merged
 (``W + (alpha / r) B A``), and its adapter alone in peft's format in ``<output dir>_adapter``
 (``automodel/peft/export.py``).
 """
@@ -57,9 +58,9 @@ def model_config_of(path: str):
 
 
 def export_hf(path: str, out: str, tokenizer_path: str | None = None) -> str:
-    from transformers import AutoTokenizer
+    from transformers import AutoProcessor, AutoTokenizer
 
-    from automodel.models.multimodal import auto_class, text_config
+    from automodel.models.multimodal import auto_class, is_image_text, text_config
 
     state = load_full_model_state(path)
     config = model_config_of(path)
@@ -92,8 +93,9 @@ def export_hf(path: str, out: str, tokenizer_path: str | None = None) -> str:
     model.save_pretrained(tmp, state_dict=state, safe_serialization=True)
     if tokenizer_path is None:
         tokenizer_path = trainer.get("tokenizer_path")
-    if tokenizer_path:
-        AutoTokenizer.from_pretrained(tokenizer_path).save_pretrained(tmp)
+    if tokenizer_path:  # (an image-text model: its processor, which holds the tokenizer)
+        loader = AutoProcessor if is_image_text(config) else AutoTokenizer
+        loader.from_pretrained(tokenizer_path).save_pretrained(tmp)
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
     return out

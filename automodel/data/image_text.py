@@ -79,7 +79,7 @@ class ImageTextData:
         labels[position >= (rows.lengths - 1).unsqueeze(1)] = IGNORE_INDEX
         loaded = ([fmt.load(fmt.placeholder[1])] if blank
                   else [fmt.load(ref) for refs in rows.images for ref in refs])
-        extras: dict = {key: torch.cat([image[key] for image in loaded]) for key in loaded[0]}
+        extras: dict = {key: _concat([image[key] for image in loaded]) for key in loaded[0]}
         if blank:
             extras[BLANK_IMAGE] = True
         elif rows is not self:
@@ -97,6 +97,19 @@ class ImageTextData:
         return ImageTextData(torch.cat([self.sequences, row]),
                              torch.cat([self.lengths, torch.zeros(1, dtype=self.lengths.dtype)]),
                              [*self.images, (ref,)], self.fmt)
+
+
+def _concat(tensors: list) -> torch.Tensor:
+    """The images' inputs along dim 0. Where their other sizes differ (LLaVA-NeXT's crops per
+    image: ``pixel_values`` [1, crops, 3, H, W]), each is padded with zeros to the largest, as
+    the processor pads a batch of images; the model takes each image's own crops (its
+    ``image_sizes``) and leaves the padding."""
+    shape = [max(sizes) for sizes in zip(*(t.shape[1:] for t in tensors))]
+    padded = []
+    for t in tensors:
+        pad = [p for d in reversed(range(1, t.dim())) for p in (0, shape[d - 1] - t.shape[d])]
+        padded.append(torch.nn.functional.pad(t, pad) if any(pad) else t)
+    return torch.cat(padded)
 
 
 def synthetic_format(config, meta_model, seed: int) -> tuple[ImageFormat, int]:

@@ -7,6 +7,11 @@
   the meta model's parameters on the meta device, as a real run does before it materializes
   them; everything that touches a materialized parameter or an activation stays fake. Factory
   ops (no tensor input) stay fake, so nothing large is ever allocated.
+- ``IndicesStayReal``: while a step runs, an op on real host tensors of integers or booleans
+  only runs for real: the small image metadata a family reads on the host (LLaVA-NeXT's
+  ``image_sizes``, which a real GPU run copies back with ``tolist``) keeps its values, where a
+  fake copy would have none. Token ids and masks stay real too (a few bytes a token: no
+  memory the plan counts).
 - ``allocate_fake``: ``parallelize``'s materialization: every parameter and buffer of the parts
   gets fake storage of its shape, dtype and placement; tied weights stay tied.
 - ``ModuleTrail``: which module of the parts was running when a step failed.
@@ -53,6 +58,20 @@ class RealStaysReal(dispatch_mode_base()):
             if len(devices) == 1 and None not in devices:
                 with real_tensors():
                     return func(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+class IndicesStayReal(dispatch_mode_base()):
+    """Enter innermost, around a simulated step: an op whose tensor inputs are all real host
+    tensors of an integer or boolean dtype runs for real (see the module's note)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tensors = [a for a in tensor_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        if tensors and all(_device_if_real(t) == "cpu" and not t.is_floating_point()
+                           and not t.is_complex() for t in tensors):
+            with real_tensors():
+                return func(*args, **kwargs)
         return func(*args, **kwargs)
 
 

@@ -40,7 +40,7 @@ from automodel.compat.torch_dist import forget_meshes
 from automodel.config.resolve import TrainConfig
 from automodel.planning.comm import CommCounter, axis_groups
 from automodel.planning.counters import StepCounters
-from automodel.planning.fake import RealStaysReal, allocate_fake
+from automodel.planning.fake import IndicesStayReal, RealStaysReal, allocate_fake
 from automodel.planning.flops import FlopCounter
 
 # the memory tracker's kinds -> the plan's categories
@@ -99,7 +99,7 @@ def fake_step(cfg: TrainConfig, rank: int) -> None:
     from automodel.planning.fake import ModuleTrail
 
     with fake_job(cfg, rank) as (job, batches, _):
-        with ModuleTrail(job.parallel.parts):
+        with ModuleTrail(job.parallel.parts), IndicesStayReal():
             job.step(batches(0))
 
 
@@ -210,7 +210,7 @@ def _measure(job: _Job, micro, rank: int, axis_of: dict) -> RankSimulation:
         _make_optimizer_states(job)
     experts = expert_state_bytes(job.experts, job.optimizer.optimizers)
     counter, flops = CommCounter(axis_of), FlopCounter()
-    with tracker, StepCounters(flops, counter):
+    with tracker, StepCounters(flops, counter), IndicesStayReal():
         job.step(micro)
     for h in hooks:
         h.remove()

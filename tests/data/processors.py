@@ -54,9 +54,43 @@ def save_processor(family: str, path) -> str:
     return placeholder
 
 
-def write_samples(folder, placeholder: str, texts: list[str], image_every: int = 2) -> str:
-    """A JSONL file of ``texts``, every ``image_every``-th one with an image file (of a size
-    the processor resizes) before its text; returns its path."""
+def save_llava_next(path, text_layers: int = 4) -> str:
+    """A tiny LLaVA-NeXT (CLIP tower, Qwen2 language model: the 72B's families) with its
+    weights and its processor (several crops per image, by the image's aspect), saved to
+    ``path`` as a checkpoint folder is; returns the placeholder of one image."""
+    import torch
+    from transformers import LlavaNextConfig, LlavaNextForConditionalGeneration, LlavaNextProcessor
+    from transformers.models.llava_next.image_processing_pil_llava_next import (
+        LlavaNextImageProcessorPil,
+    )
+
+    grid = [[32, 64], [64, 32], [64, 64]]
+    config = LlavaNextConfig(
+        vision_config=dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64,
+                           projection_dim=32, num_hidden_layers=2, num_attention_heads=2,
+                           image_size=32, patch_size=16),
+        text_config=dict(model_type="qwen2", vocab_size=256, hidden_size=64,
+                         intermediate_size=128, num_hidden_layers=text_layers,
+                         num_attention_heads=4, num_key_value_heads=4,
+                         max_position_embeddings=512),
+        image_token_index=255, image_grid_pinpoints=grid, vision_feature_layer=-2,
+        vision_feature_select_strategy="default", tie_word_embeddings=False)
+    torch.manual_seed(0)
+    LlavaNextForConditionalGeneration(config).save_pretrained(path)
+    LlavaNextProcessor(
+        image_processor=LlavaNextImageProcessorPil(
+            size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32},
+            image_grid_pinpoints=grid),
+        tokenizer=byte_tokenizer({"image_token": "<image>"}), patch_size=16,
+        vision_feature_select_strategy="default", image_token="<image>",
+        num_additional_image_tokens=1).save_pretrained(path)
+    return "<image>"
+
+
+def write_samples(folder, placeholder: str, texts: list[str], image_every: int = 2,
+                  file: str = "samples.jsonl") -> str:
+    """A JSONL file ``file`` of ``texts``, every ``image_every``-th one with an image file (of
+    a size the processor resizes) before its text; returns its path."""
     folder.mkdir(parents=True, exist_ok=True)
     lines = []
     for i, text in enumerate(texts):
@@ -67,6 +101,6 @@ def write_samples(folder, placeholder: str, texts: list[str], image_every: int =
         Image.new("RGB", (40 + i % 7, 30 + i % 5), (i * 37 % 256, i * 91 % 256, 90)).save(
             folder / name)
         lines.append({"text": f"{placeholder} {text}", "image": name})
-    path = folder / "samples.jsonl"
+    path = folder / file
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     return str(path)

@@ -7,10 +7,11 @@ import numpy as np
 import pytest
 import torch
 
+from automodel.api import load_config
 from automodel.config.schema import FilesDataConfig
 from automodel.data.batches import IGNORE_INDEX
 from automodel.data.corpus import generate_documents
-from tests.data.processors import save_processor, write_samples
+from tests.data.processors import save_llava_next, save_processor, write_samples
 from tests.distributed.test_image_text import _meta
 from tests.helpers import FP32, TRAINER, train
 
@@ -91,6 +92,69 @@ def test_file_samples_train_in_parallel_as_on_one_rank(tmp_path):
     ref = train(["parallelism=none"] + run, tmp_path / "ref", base=TRAINER)
     got = train(["parallelism=fsdp2", FP32, "mesh.dp_size=2", "trainer.local_batch_size=1"]
                 + run, tmp_path / "got", base=TRAINER)
+    assert ref[0]["loss"] - ref[-1]["loss"] > 0.3
+    np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in ref], rtol=1e-5)
+    np.testing.assert_allclose([r["grad_norm"] for r in got], [r["grad_norm"] for r in ref],
+                               rtol=1e-4)
+
+
+def _llava_next_samples(tmp_path):
+    """A tiny LLaVA-NeXT checkpoint with its processor, and samples whose images differ in
+    aspect, so in the number of crops the processor makes (a wide image: 2 crops and the
+    overview; a square one: 4 and the overview)."""
+    from PIL import Image
+
+    placeholder = save_llava_next(tmp_path / "model")
+    folder = tmp_path / "data"
+    folder.mkdir()
+    Image.new("RGB", (64, 30), (200, 10, 10)).save(folder / "wide.png")
+    Image.new("RGB", (60, 60), (10, 200, 10)).save(folder / "square.png")
+    lines = [{"text": f"{placeholder} wide {i}", "image": "wide.png"} if i % 4 == 0 else
+             {"text": f"{placeholder} square {i}", "image": "square.png"} if i % 4 == 2 else
+             {"text": f"words only {i}"} for i in range(24)]
+    path = folder / "samples.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return str(path), placeholder
+
+
+@pytest.mark.fast
+def test_images_with_different_crop_counts_batch_as_the_processor_batches(tmp_path):
+    """A micro-batch of images with different numbers of crops holds each image's crops,
+    padded with zeros to the most, as the processor pads a batch (the model reads each
+    image's own count from ``image_sizes``)."""
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    from automodel.data.image_files import read_image_text
+    from automodel.models.builder import build_meta_model
+
+    path, _ = _llava_next_samples(tmp_path)
+    cfg = load_config(["model=pretrained", f"model.pretrained_path={tmp_path / 'model'}"])
+    data = read_image_text(FilesDataConfig(paths=[path]), 32, build_meta_model(cfg.model),
+                           str(tmp_path / "model"))
+    _, _, extras = data[0:3].split()
+    processor = AutoProcessor.from_pretrained(tmp_path / "model")
+    with Image.open(tmp_path / "data" / "wide.png") as a, \
+            Image.open(tmp_path / "data" / "square.png") as b:
+        expected = processor.image_processor(images=[a.convert("RGB"), b.convert("RGB")],
+                                             return_tensors="pt")
+    counts = [processor.image_processor(images=img, return_tensors="pt")["pixel_values"].shape[1]
+              for img in (Image.new("RGB", (64, 30)), Image.new("RGB", (60, 60)))]
+    assert counts[0] < counts[1]  # (the case: the wide image's crops are padded)
+    torch.testing.assert_close(extras["pixel_values"], expected["pixel_values"])
+    assert torch.equal(extras["image_sizes"], expected["image_sizes"])
+    assert not extras["pixel_values"][0, counts[0]:].any()
+
+
+def test_images_with_different_crop_counts_train_under_a_pipeline(tmp_path):
+    """LLaVA-NeXT from files, its images in 3 and 5 crops: a 2-stage pipeline (the tower on
+    the first stage, micro-batches of 2 rows) trains as one process (fp32)."""
+    path, _ = _llava_next_samples(tmp_path)
+    run = ["model=pretrained", f"model.pretrained_path={tmp_path / 'model'}", "data=files",
+           f"data.paths=[{path}]", "trainer.seq_len=32"]
+    ref = train(["parallelism=none"] + run, tmp_path / "ref", base=TRAINER)
+    got = train(["parallelism=fsdp2", FP32, "pipeline=1f1b", "mesh.pp_size=2",
+                 "pipeline.pp_microbatch_size=2"] + run, tmp_path / "got", base=TRAINER)
     assert ref[0]["loss"] - ref[-1]["loss"] > 0.3
     np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in ref], rtol=1e-5)
     np.testing.assert_allclose([r["grad_norm"] for r in got], [r["grad_norm"] for r in ref],

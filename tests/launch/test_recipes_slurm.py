@@ -7,7 +7,8 @@ same overrides, from the directory a user submits from (a checkout: here a folde
 this repository's files). ``miniature`` changes only sizes, each named in ``SIZES`` and
 ``SBATCH_SIZES``: 2 nodes x 2 tasks on partition ``two`` (node1 and node2, each in its own
 network namespace: the ranks of the two nodes meet over a virtual network), no GPUs, tiny
-models saved with weights and a chat tokenizer in place of the real checkpoints, tp 8 and ep 8
+models saved with weights and a chat tokenizer (LLaVA-NeXT: its processor, and image files
+beside the samples) in place of the real checkpoints, tp 8 and ep 8
 as 2, a few steps; the ranks pinned to the CPU under gloo as every test job is
 (``tests.helpers.ON_CPU``). Each layout keeps its shape: HSDP replicates across the two nodes
 and shards within, the pipeline's stages are the two nodes with TP inside each, the experts
@@ -30,6 +31,7 @@ import pytest
 
 from automodel.tracking.metrics import read_metrics
 from tests.cli.test_cli import ROOT, TRAIN
+from tests.data.processors import save_llava_next, write_samples
 from tests.distributed.test_golden import assert_golden
 from tests.helpers import ON_CPU, chat_records, save_chat_tokenizer
 from tests.launch.test_slurm import require_cluster
@@ -58,9 +60,11 @@ LAYOUTS = {
     "llama3_1_70b_instruct": r"fsdp2 on 4 rank\(s\) \(dp=1, cp=1, tp=2, pp=2\).*"
                              r"4 pipeline stages",
     "llama3_1_70b_instruct_lora": r"fsdp2 on 4 rank\(s\) \(dp=4, cp=1, tp=1, pp=1\)",
-    "llama3_1_70b_instruct_qlora": r"fsdp2 on 4 rank\(s\) \(dp=4, cp=1, tp=1, pp=1\)"}
+    "llama3_1_70b_instruct_qlora": r"fsdp2 on 4 rank\(s\) \(dp=4, cp=1, tp=1, pp=1\)",
+    "llava_next_72b_tp8_pp2": r"fsdp2 on 4 rank\(s\) \(dp=1, cp=1, tp=2, pp=2\).*"
+                              r"FSDPLlavaNextForConditionalGeneration"}
 MODELS = {"LLAMA_8B_INSTRUCT": "llama", "LLAMA_70B_INSTRUCT": "llama",
-          "QWEN3_30B_A3B": "qwen3_moe"}
+          "QWEN3_30B_A3B": "qwen3_moe", "LLAVA_NEXT_72B": "llava_next"}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -95,7 +99,8 @@ def _smaller(word: str) -> str:
 
 def _save_tiny_models(root: Path) -> dict:
     """A tiny Llama and a tiny Qwen3-MoE with weights, and the chat tokenizer of the doc
-    tests (its vocabulary fits the models'), in the folders the scripts' variables name."""
+    tests (its vocabulary fits the models'), and a tiny LLaVA-NeXT with its processor
+    (``tests/data/processors.py``), in the folders the scripts' variables name."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from automodel.api import load_config
@@ -111,6 +116,8 @@ def _save_tiny_models(root: Path) -> dict:
         AutoModelForCausalLM.from_config(hf).save_pretrained(root / family)
         tok.save_pretrained(root / family)
         folders[family] = root / family
+    save_llava_next(root / "llava_next")
+    folders["llava_next"] = root / "llava_next"
     return folders
 
 
@@ -122,6 +129,9 @@ def inputs(tmp_path_factory):
     (root / "data").mkdir()
     (root / "data" / "chat.jsonl").write_text(
         "".join(json.dumps(r) + "\n" for r in chat_records() * 8))
+    # image-text samples (LLaVA-NeXT's placeholder), every other one with an image file
+    write_samples(root / "data", "<image>", [f"sample {i}: " + "words " * (i % 4 + 1)
+                                              for i in range(40)], file="images.jsonl")
     env = {name: str(models[family]) for name, family in MODELS.items()}
     return {**env, "DATA": str(root / "data")}
 
@@ -197,6 +207,8 @@ def test_recipe_runs_in_miniature_on_two_nodes(script, recipe_jobs):
     assert saved == ["step_00000002", "step_00000003"]  # keep_last=2 of 1, 2 and 3
     hf = ckpts / "step_00000003" / "hf"
     assert (hf / "config.json").exists() and list(hf.glob("*.safetensors")), hf
+    if "data=files" in text:  # an image-text model: its processor beside the weights
+        assert (hf / "processor_config.json").exists(), sorted(p.name for p in hf.iterdir())
     method = re.search(r"peft=(q?lora)", text)
     if method:  # the adapters: in the log, and exported for peft beside the merge
         assert f"peft={method.group(1)}: adapters of rank 16" in train_log

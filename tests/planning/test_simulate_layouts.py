@@ -156,6 +156,21 @@ def test_image_text_model_simulates():
     assert exact <= sim["comm"]["dp_shard"]["reduce_scatter"] <= padded
 
 
+def test_a_tower_that_reads_image_sizes_on_the_host_simulates(tmp_path):
+    """LLaVA-NeXT picks each image's crops from its ``image_sizes`` on the host (``tolist``):
+    the simulated step keeps the batch's integer tensors real (planning/fake.py
+    ``IndicesStayReal``; without it the fake tensors have no values to give), so its
+    pipeline x TP layout plans: the first stage, which runs the tower."""
+    from tests.data.processors import save_llava_next
+
+    save_llava_next(tmp_path / "model")
+    overrides = ["model=pretrained", f"model.pretrained_path={tmp_path / 'model'}",
+                 "parallelism=fsdp2", "pipeline=1f1b", "mesh.pp_size=2", "mesh.tp_size=2",
+                 "pipeline.pp_microbatch_size=1", "trainer.global_batch_size=4"]
+    first = simulate(overrides, rank=0)
+    assert first["stages"] == [0] and first["comm"]["tp"] and first["peak_bytes"] > 0
+
+
 # --------------------------------------------------------------------------- refusals
 @pytest.mark.fast
 def test_strategies_without_a_planning_path_are_refused_by_name():
