@@ -7,11 +7,13 @@
   the meta model's parameters on the meta device, as a real run does before it materializes
   them; everything that touches a materialized parameter or an activation stays fake. Factory
   ops (no tensor input) stay fake, so nothing large is ever allocated.
-- ``IndicesStayReal``: while a step runs, an op on real host tensors of integers or booleans
-  only runs for real: the small image metadata a family reads on the host (LLaVA-NeXT's
-  ``image_sizes``, which a real GPU run copies back with ``tolist``) keeps its values, where a
-  fake copy would have none. Token ids and masks stay real too (a few bytes a token: no
-  memory the plan counts).
+- ``IndicesStayReal``: while the planner's measured step runs, an op on real host tensors of
+  integers or booleans only runs for real: the small image metadata a family reads on the
+  host (LLaVA-NeXT's ``image_sizes``, which a real GPU run copies back with ``tolist``) keeps
+  its values, where a fake copy would have none. Token ids and masks stay real too (a few
+  bytes a token: no memory the plan counts). Not in the preflight's fake step: a family
+  that builds new tensors from such values (Qwen2-VL's rotary positions) would mix real and
+  fake there; the planner refuses those families before simulating them.
 - ``allocate_fake``: ``parallelize``'s materialization: every parameter and buffer of the parts
   gets fake storage of its shape, dtype and placement; tied weights stay tied.
 - ``ModuleTrail``: which module of the parts was running when a step failed.

@@ -99,7 +99,7 @@ def fake_step(cfg: TrainConfig, rank: int) -> None:
     from automodel.planning.fake import ModuleTrail
 
     with fake_job(cfg, rank) as (job, batches, _):
-        with ModuleTrail(job.parallel.parts), IndicesStayReal():
+        with ModuleTrail(job.parallel.parts):
             job.step(batches(0))
 
 

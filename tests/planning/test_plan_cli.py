@@ -115,11 +115,9 @@ def _check_offload(plan: dict, lines: list[str]) -> None:
 
 
 # ------------------------------------------------------------------ refused before simulating
+# (a strategy or a family the planner cannot simulate: test_make_plan_refuses_before_simulating,
+# in one process; the CLI turns every ConfigError into the same exit)
 REFUSED = {
-    "megatron_fsdp": (["parallelism=megatron_fsdp", "mesh.dp_size=2"],
-                      ["parallelism=megatron_fsdp cannot be planned", "parallelism=fsdp2"]),
-    "qwen2_vl": (["model=qwen2_vl_tiny", "parallelism=fsdp2", "mesh.dp_size=2"],
-                 ["model=qwen2_vl_tiny", "cannot be planned", "get_rope_index"]),
     "gpus_vs_mesh": (["parallelism=fsdp2", "mesh.dp_size=4", "mesh.tp_size=2", "plan.gpus=16"],
                      ["plan.gpus=16 but the mesh has 8 ranks", "set plan.gpus=8",
                       "mesh.dp_size=null"]),
@@ -155,11 +153,15 @@ def test_make_plan_refuses_before_simulating(tmp_path, monkeypatch):
         raise AssertionError("a simulation started")
 
     monkeypatch.setattr(plan_module, "simulate_classes", no_simulation)
-    for overrides, phrase in ((["parallelism=megatron_fsdp"], "parallelism=megatron_fsdp"),
-                              (["model=qwen2_vl_tiny"], "model=qwen2_vl_tiny")):
+    for overrides, phrases in (
+            (["parallelism=megatron_fsdp"], ["parallelism=megatron_fsdp cannot be planned",
+                                             "parallelism=fsdp2"]),
+            (["model=qwen2_vl_tiny"], ["model=qwen2_vl_tiny", "cannot be planned",
+                                       "get_rope_index"])):
         cfg = load_config([*overrides, "mesh.dp_size=2"], str(tmp_path))
-        with pytest.raises(ConfigError, match=phrase):
+        with pytest.raises(ConfigError) as err:
             plan_module.make_plan(cfg, profile("h100_80gb"))
+        assert all(phrase in str(err.value) for phrase in phrases), str(err.value)
 
 
 def test_failed_simulation_names_class_and_layout(tmp_path):
