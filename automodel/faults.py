@@ -18,6 +18,8 @@ requeues, ``/0`` being the first run); a step is the 1-based number of the optim
     enospc_in_save@4 the save of step 4's checkpoint fails as a full disk does: an
                      OSError(ENOSPC) inside the writer, re-raised as a RuntimeError (for file
                      systems a test cannot fill)
+    slow_save@1.5    every background save (checkpoint.async_mode) waits 1.5 s before it
+                     writes: training goes on meanwhile (a window for a test to observe)
 
 Everything injected runs through the real code path (real NaNs, real SIGKILL).
 """
@@ -30,7 +32,7 @@ import time
 from dataclasses import dataclass
 
 ENV = "AUTOMODEL_FAULTS"
-KINDS = ("nan", "kill", "kill_in_save", "sleep", "raise", "enospc_in_save")
+KINDS = ("nan", "kill", "kill_in_save", "sleep", "raise", "enospc_in_save", "slow_save")
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,11 @@ class Faults:
         if not self._at("nan", step):
             return []
         return [m.register_forward_hook(_nan_output) for m in modules]
+
+    def before_background_write(self) -> None:
+        for f in self.faults:
+            if f.kind == "slow_save":
+                time.sleep(f.value)
 
     def in_save(self, step: int) -> None:
         if self._at("kill_in_save", step):

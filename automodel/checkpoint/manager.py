@@ -16,6 +16,7 @@ interrupted save are never loaded and are removed at the next save.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import logging
 import os
@@ -112,7 +113,9 @@ class Checkpointer:
     which every collective of a save or a load runs; its rank 0 writes the shared files."""
 
     def __init__(self, root: str, keep_last: int | None, rank: int, faults=None,
-                 size_estimate: int = 0, group=None, trainable_only: bool = False):
+                 size_estimate: int = 0, group=None, trainable_only: bool = False,
+                 background=None):
+        self.background = background  # a BackgroundSaver (checkpoint.async_mode) or None
         self.root = root
         self.options = TRAINABLE_ONLY if trainable_only else OPTIONS
         self.keep_last = keep_last
@@ -126,12 +129,20 @@ class Checkpointer:
         return checkpoint_path(self.root, step)
 
     def save(self, step: int, parts, optimizers, scheduler, model_config=None,
-             extra: dict | None = None, export_hf: bool = False) -> str:
+             extra: dict | None = None, export_hf: bool = False, blocking: bool = True) -> str:
         """Write the checkpoint of ``step``; a file-system failure (a full disk) raises
         ``CheckpointWriteError`` naming the path, the space needed and free, and the last
-        complete checkpoint, after removing the unfinished one."""
+        complete checkpoint, after removing the unfinished one. With a background saver and
+        ``blocking=False``, return once the state is staged (``checkpoint/background.py``);
+        any save first waits for the one in flight."""
         tmp = os.path.join(self.root, f".tmp-step_{step:08d}")
+        if self.background is not None:
+            self.background.wait(f"the save of step {step}")
+            self.background.raise_if_failed()
         try:
+            if self.background is not None and not blocking:
+                return self._start_background(step, tmp, parts, optimizers, scheduler,
+                                              model_config, extra, export_hf)
             return self._save(step, tmp, parts, optimizers, scheduler, model_config, extra,
                               export_hf)
         except (Exception, CheckpointException) as err:
@@ -164,9 +175,9 @@ class Checkpointer:
         return (f"cannot write the checkpoint of step {step} to {self.path(step)}: {cause}. "
                 f"{space}the unfinished {tmp} was removed; {last}")
 
-    def _save(self, step: int, tmp: str, parts, optimizers, scheduler, model_config, extra,
-              export_hf: bool) -> str:
-        final = self.path(step)
+    def _prepare(self, tmp: str, parts, optimizers) -> dict:
+        """Rank 0 clears what an unfinished save left and makes ``tmp``; every rank's state
+        (references to its shards), and this rank's RNG state written into ``tmp``."""
         if self.rank == 0:
             os.makedirs(self.root, exist_ok=True)
             for name in os.listdir(self.root):  # an earlier save that never finished
@@ -176,34 +187,61 @@ class Checkpointer:
         _barrier(self.group)
         state = _merged(_part_states(parts, optimizers, self.options))
         self.size_estimate = max(self.size_estimate, _state_bytes(state) * _ranks(self.group))
-        with _quiet_single_process():  # (the size: for a failure message)
+        torch.save(_rng_state(), os.path.join(tmp, f"rng_rank{self.rank}.pt"))
+        return state  # (the size: for a failure message)
+
+    def _save(self, step: int, tmp: str, parts, optimizers, scheduler, model_config, extra,
+              export_hf: bool) -> str:
+        state = self._prepare(tmp, parts, optimizers)
+        with _quiet_single_process():
             dcp.save(state, checkpoint_id=tmp, no_dist=not dist.is_initialized(),
                      process_group=self.group)
-        torch.save(_rng_state(), os.path.join(tmp, f"rng_rank{self.rank}.pt"))
         if self.faults is not None:
             self.faults.in_save(step)
         _barrier(self.group)
         if self.rank == 0:
-            if model_config is not None:
-                with open(os.path.join(tmp, "model_config.json"), "w") as f:
-                    json.dump(model_config, f, indent=1, sort_keys=True)
-            meta = {"step": step, "scheduler": scheduler.state_dict(),
-                    "world_size": _ranks(self.group),
-                    **(extra or {})}
-            with open(os.path.join(tmp, "trainer.json"), "w") as f:
-                json.dump(meta, f, indent=1)
-            if export_hf:
-                from automodel.checkpoint.hf_export import export_hf as export
-
-                export(tmp, os.path.join(tmp, "hf"), (extra or {}).get("tokenizer_path"))
-            old = os.path.join(self.root, f".old-step_{step:08d}")
-            if os.path.isdir(final):  # the same step saved by an earlier run: keep it until
-                os.replace(final, old)  # the new one is in place
-            os.replace(tmp, final)  # the checkpoint appears whole
-            shutil.rmtree(old, ignore_errors=True)
-            self._prune()
+            self._publish(step, tmp, model_config, self._meta(step, scheduler, extra),
+                          export_hf, extra)
         _barrier(self.group)
-        return final
+        return self.path(step)
+
+    def _start_background(self, step: int, tmp: str, parts, optimizers, scheduler,
+                          model_config, extra, export_hf: bool) -> str:
+        state = self._prepare(tmp, parts, optimizers)
+        meta = self._meta(step, scheduler, extra)  # (now: the scheduler moves on)
+
+        def finish():
+            if self.rank == 0:
+                self._publish(step, tmp, model_config, meta, export_hf, extra)
+
+        with _quiet_single_process():
+            self.background.start(step, self.path(step), state, tmp, finish, self.faults)
+        return self.path(step)
+
+    def _meta(self, step: int, scheduler, extra) -> dict:
+        return copy.deepcopy({"step": step, "scheduler": scheduler.state_dict(),
+                              "world_size": _ranks(self.group), **(extra or {})})
+
+    def _publish(self, step: int, tmp: str, model_config, meta: dict, export_hf: bool,
+                 extra) -> None:
+        """Rank 0, once every rank's shards are written: the shared files, the export, then
+        the atomic rename that makes the checkpoint visible, and ``keep_last``."""
+        final = self.path(step)
+        if model_config is not None:
+            with open(os.path.join(tmp, "model_config.json"), "w") as f:
+                json.dump(model_config, f, indent=1, sort_keys=True)
+        with open(os.path.join(tmp, "trainer.json"), "w") as f:
+            json.dump(meta, f, indent=1)
+        if export_hf:
+            from automodel.checkpoint.hf_export import export_hf as export
+
+            export(tmp, os.path.join(tmp, "hf"), (extra or {}).get("tokenizer_path"))
+        old = os.path.join(self.root, f".old-step_{step:08d}")
+        if os.path.isdir(final):  # the same step saved by an earlier run: keep it until
+            os.replace(final, old)  # the new one is in place
+        os.replace(tmp, final)  # the checkpoint appears whole
+        shutil.rmtree(old, ignore_errors=True)
+        self._prune()
 
     def _prune(self) -> None:
         if self.keep_last:

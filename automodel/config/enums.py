@@ -104,6 +104,16 @@ class VisionTP(Choice):
     heads = "heads"
 
 
+class AsyncMode(Choice):
+    """``checkpoint.async_mode``: a save blocks training until written (none), or only while
+    the state is copied to host memory, the write going on in a thread or a process of each
+    rank (``checkpoint/background.py``)."""
+
+    none = "none"
+    thread = "thread"
+    process = "process"
+
+
 class WandbMode(Choice):
     """``logger.wandb.mode`` (null: W&B's WANDB_MODE, else online)."""
 

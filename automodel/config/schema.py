@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from automodel.config.enums import (
+    AsyncMode,
     FrozenSharding,
     LoraInit,
     Loss,
@@ -308,6 +309,11 @@ class CheckpointConfig:
     resume: Optional[str] = None  # null | auto (latest complete in dir) | a checkpoint path
     export_hf: bool = False  # also write each checkpoint (and the final one) as a Hugging
     # Face model in <checkpoint>/hf (safetensors; loadable by from_pretrained)
+    # none: a save blocks until written | thread / process: training waits only while the
+    # state is copied to host memory; the write, then the checkpoint's completion, go on in
+    # the background (one save at a time; the last save of a run blocks)
+    async_mode: AsyncMode = AsyncMode.none
+    pinned_memory: bool = False  # async saves copy the state into pinned host memory (GPUs)
 
 
 @dataclass

@@ -14,6 +14,7 @@ import os
 
 from automodel.config import schema as s
 from automodel.config.build import ConfigError
+from automodel.config.enums import AsyncMode
 from automodel.config.layout import Layout
 from automodel.config.tp_styles import style_problem
 
@@ -148,3 +149,12 @@ def check_checkpoint(c: s.CheckpointConfig) -> None:
     if c.resume is not None and c.resume != "auto" and not os.path.isdir(c.resume):
         raise ConfigError(f"checkpoint.resume={c.resume!r}: no such checkpoint directory; "
                           "use auto (the latest in checkpoint.dir), a path, or null")
+    if c.async_mode != AsyncMode.none and c.every_steps is None:
+        raise ConfigError(f"checkpoint.async_mode={c.async_mode.value} saves in the background, "
+                          "but checkpoint.every_steps is null: no save is due during training "
+                          "(a run's last save always blocks); set checkpoint.every_steps=N or "
+                          "checkpoint.async_mode=none")
+    if c.pinned_memory and c.async_mode == AsyncMode.none:
+        raise ConfigError("checkpoint.pinned_memory=true is the host memory of async saves, "
+                          "but checkpoint.async_mode=none; set checkpoint.async_mode=thread "
+                          "(or process), or drop checkpoint.pinned_memory")

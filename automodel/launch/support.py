@@ -18,6 +18,7 @@ def check_runtime_support(cfg: TrainConfig) -> None:
         if why is not None:
             raise ConfigError(why)
     check_gpu_use(cfg)
+    check_pinned_memory(cfg)
     from automodel.compat import check_compat
 
     check_compat()
@@ -55,3 +56,15 @@ def check_gpu_use(cfg: TrainConfig) -> None:
             cuda_device_index(launch.gpus, launch.local_rank, launch.local_world_size or 1)
         except ValueError as err:
             raise ConfigError(str(err)) from None
+
+
+def check_pinned_memory(cfg: TrainConfig) -> None:
+    """``checkpoint.pinned_memory`` speeds the copy of a save from GPUs: refused where the
+    ranks train on the CPU (no GPU, or ``distributed.backend=gloo``)."""
+    launch = cfg.launch
+    gpus = max(launch.gpus or 0, launch.gpus_allocated)
+    if cfg.checkpoint.pinned_memory and (gpus == 0 or cfg.distributed.backend == "gloo"):
+        where = ("distributed.backend=gloo" if gpus else "the job's ranks have no GPU")
+        raise ConfigError("checkpoint.pinned_memory=true pins the host memory an async save "
+                          f"copies GPU tensors into, but the ranks train on the CPU ({where}); "
+                          "drop checkpoint.pinned_memory")

@@ -8,6 +8,7 @@ The recipe (``recipes/train.py``) calls ``build_components`` and ``restore``; th
 
 from __future__ import annotations
 
+import datetime
 import logging
 from dataclasses import dataclass
 
@@ -16,6 +17,7 @@ import torch.distributed as dist
 
 from automodel.checkpoint.manager import Checkpointer, checkpoint_bytes, warn_if_short_of_space
 from automodel.checkpoint.paths import checkpoint_root, complete_checkpoints, step_of
+from automodel.config.enums import AsyncMode
 from automodel.config.resolve import TrainConfig
 from automodel.data.batches import BatchPlan
 from automodel.data.sources import training_data
@@ -149,11 +151,32 @@ def _checkpointer(cfg: TrainConfig, info: DistInfo, group, faults: Faults, outpu
                                       torch.finfo(getattr(torch, cfg.model.dtype)).bits // 8)
     checkpointer = Checkpointer(checkpoint_root(cfg.checkpoint.dir, output_dir),
                                 cfg.checkpoint.keep_last, info.rank, faults, per_checkpoint,
-                                group, trainable_only=adapters)
+                                group, trainable_only=adapters,
+                                background=_background_saver(cfg, info, group))
     if info.is_main:
         warn_if_short_of_space(checkpointer.root, per_checkpoint, cfg.checkpoint,
                                cfg.trainer.max_steps)
     return checkpointer
+
+
+def _background_saver(cfg: TrainConfig, info: DistInfo, group):
+    """``checkpoint.async_mode``: the background saver, with its own gloo group of the model's
+    ranks (made once; a background collective must not share the training's group)."""
+    c = cfg.checkpoint
+    if c.async_mode == AsyncMode.none:
+        return None
+    from automodel.checkpoint.background import BackgroundSaver
+
+    saver_group = None
+    if dist.is_initialized():
+        if group is not None and group is not dist.group.WORLD:
+            raise ValueError("checkpoint.async_mode: a job holding several models saves "
+                             "synchronously (its background group would need every model's "
+                             "ranks); set checkpoint.async_mode=none")
+        saver_group = dist.new_group(backend="gloo", group_desc="checkpoint",
+                                     timeout=datetime.timedelta(
+                                         minutes=cfg.distributed.timeout_minutes))
+    return BackgroundSaver(c.async_mode, saver_group, info.rank, c.pinned_memory)
 
 
 def initial_model(cfg: TrainConfig, info: DistInfo, group=None):

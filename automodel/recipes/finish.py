@@ -33,6 +33,9 @@ def close(run: Run, failed: bool) -> None:
     once: no collective here (its peers may be inside another one, and it would wait out the
     timeout); the launcher stops them."""
     run.batches.close()
+    background = run.parts.checkpointer.background
+    if background is not None and not failed:  # (the save in flight completes first)
+        background.close()
     run.stop.restore()
     if not failed:
         set_collective_timeout(run.info.startup_timeout, run.group)  # rank 0 alone finishes W&B

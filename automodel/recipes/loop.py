@@ -58,8 +58,9 @@ class Run:
     def group(self):
         return self.setup.process_group  # every collective of the recipe's own runs on it
 
-    def save(self, step_number: int) -> None:
-        """Save a checkpoint after step ``step_number``."""
+    def save(self, step_number: int, blocking: bool = True) -> None:
+        """Save a checkpoint after step ``step_number``; ``blocking=False``: under
+        ``checkpoint.async_mode``, return once the state is staged."""
         cfg, parts, info = self.cfg, self.parts, self.info
         extra = {"tokenizer_path": getattr(cfg.data, "tokenizer_path", None)}
         if parts.adapters:  # (what the export needs to merge them, or write them for peft)
@@ -72,9 +73,14 @@ class Run:
                       f"{parts.checkpointer.path(step_number)})")
             path = parts.checkpointer.save(step_number, parts.parallel.parts, parts.optimizer,
                                            parts.scheduler, parts.model_config, extra,
-                                           export_hf=cfg.checkpoint.export_hf)
+                                           export_hf=cfg.checkpoint.export_hf,
+                                           blocking=blocking)
         self.saved_step = step_number
-        log.info("checkpoint saved: %s (%.2f s)", path, time.monotonic() - start)
+        if parts.checkpointer.background is not None and not blocking:
+            log.info("checkpoint staged: %s (training blocked %.2f s; written in the "
+                     "background)", path, time.monotonic() - start)
+        else:
+            log.info("checkpoint saved: %s (%.2f s)", path, time.monotonic() - start)
 
 
 def start_run(cfg: TrainConfig, setup: DistributedSetup, parts: Components, output_dir: str,
@@ -115,7 +121,7 @@ def run_steps(run: Run) -> None:
         if step == run.start_step:  # start-up (compile, loads, W&B start) is over
             set_collective_timeout(run.info.timeout, run.group)
         if every and number % every == 0:
-            run.save(number)
+            run.save(number, blocking=number == cfg.trainer.max_steps)
         run.stopped_by = values.stop_signal
         if run.stopped_by is not None and number < run.last_step:
             break
@@ -128,6 +134,8 @@ def one_step(run: Run, step: int) -> tuple[StepValues, float, float]:
     seconds)."""
     parts, number = run.parts, step + 1
     set_phase(f"step {number}")
+    if parts.checkpointer.background is not None:  # a background save that failed ends
+        parts.checkpointer.background.raise_if_failed()  # the run here, naming its cause
     parts.faults.before_step(number)
     run.profiler.begin(number)
     started = time.perf_counter()
