@@ -8,6 +8,7 @@ must end exactly where an uninterrupted run ends (fp32 on CPU: bit-for-bit).
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -31,8 +32,8 @@ def _steps_done(out) -> int:
     return json.loads(lines[-1])["step"] if lines else 0
 
 
-def _signal_midway(cmd, out, sig, env_extra=None, at_step=4):
-    env = dict(os.environ, AUTOMODEL_FAULTS="sleep@0.25", **(env_extra or {}))
+def _signal_midway(cmd, out, sig, env_extra=None, at_step=4, faults="sleep@0.25"):
+    env = dict(os.environ, AUTOMODEL_FAULTS=faults, **(env_extra or {}))
     proc = subprocess.Popen(cmd, cwd=out.parent, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 240
@@ -57,19 +58,30 @@ def uninterrupted(tmp_path_factory):
     return get
 
 
+# a background save in flight when the signal comes (each write held back 1.5 s): the stop's
+# save waits for it, then saves
+ASYNC = ["checkpoint.every_steps=2", "checkpoint.async_mode=thread"]
+
+
 @pytest.mark.parametrize("name,layout,sig", [
     ("local_ranks_sigterm", ["parallelism=ddp"], signal.SIGTERM),
     ("local_ranks_sigusr1", ["parallelism=ddp"], signal.SIGUSR1),
     ("one_process_sigterm", ["parallelism=none"], signal.SIGTERM),
+    ("local_ranks_sigterm_async_save", ["parallelism=ddp"] + ASYNC, signal.SIGTERM),
 ])
 def test_signal_saves_exits_and_resume_matches(name, layout, sig, uninterrupted, tmp_path):
     out = tmp_path / "run"
     args = RUN + layout + [f"hydra.run.dir={out}"]
-    code, stderr = _signal_midway([sys.executable, TRAIN] + args, out, sig)
+    background = "checkpoint.async_mode=thread" in layout
+    code, stderr = _signal_midway([sys.executable, TRAIN] + args, out, sig,
+                                  faults="sleep@0.25" + (",slow_save@1.5" if background else ""))
     assert code == 128 + sig, stderr
     assert "Traceback" not in stderr, stderr
-    [ckpt] = complete_checkpoints(str(out / "checkpoints"))
+    ckpt = complete_checkpoints(str(out / "checkpoints"))[-1]
     step = int(ckpt.rsplit("_", 1)[1])
+    if background:
+        assert re.search(r"checkpoint of step \d+ still being written: the save of step "
+                         f"{step} waits for it", stderr), stderr[-3000:]
     assert 4 <= step < STEPS
     assert f"stopped by {signal.Signals(sig).name} after step {step}; checkpoint saved: " \
            f"{ckpt}" in stderr
@@ -79,7 +91,7 @@ def test_signal_saves_exits_and_resume_matches(name, layout, sig, uninterrupted,
     lines = (out / "metrics.jsonl").read_text().splitlines()
     records = [json.loads(line) for line in lines]
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))  # each step once
-    full = uninterrupted(layout)
+    full = uninterrupted([a for a in layout if a not in ASYNC])
     assert [r["step"] for r in full] == list(range(1, STEPS + 1))
     assert [r["loss"] for r in records] == [r["loss"] for r in full]
     assert [r["grad_norm"] for r in records] == [r["grad_norm"] for r in full]
@@ -102,7 +114,7 @@ def test_torchrun_sigterm_saves_and_resumes(uninterrupted, tmp_path):
     assert again.returncode == 0, again.stderr
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
-    full = uninterrupted(layout)
+    full = uninterrupted([a for a in layout if a not in ASYNC])
     assert [r["step"] for r in full] == list(range(1, STEPS + 1))
     assert [r["loss"] for r in records] == [r["loss"] for r in full]
     assert [r["grad_norm"] for r in records] == [r["grad_norm"] for r in full]
@@ -121,7 +133,7 @@ def test_local_launcher_module_sigterm_saves_and_resumes(uninterrupted, tmp_path
                            text=True, timeout=300, env=dict(os.environ, **env))
     assert again.returncode == 0, again.stderr
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    full = uninterrupted(layout)
+    full = uninterrupted([a for a in layout if a not in ASYNC])
     assert [r["step"] for r in records] == [r["step"] for r in full] == list(range(1, STEPS + 1))
     assert [r["loss"] for r in records] == [r["loss"] for r in full]
     assert [r["grad_norm"] for r in records] == [r["grad_norm"] for r in full]
