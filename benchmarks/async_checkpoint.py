@@ -98,8 +98,9 @@ def main() -> None:
           f"{'wall':>7}")
     base = rows[0]["blocked_per_save_s"]
     for r in rows:
-        print(f"{r['mode']:8} {r['blocked_per_save_s']:12.2f}s {r['blocked_per_save_s'] / base:7.2f}x"
-              f" {r['step_s']:7.3f}s {r['step_during_write_s']:13.3f}s {r['wall_s']:6.1f}s")
+        blocked = r["blocked_per_save_s"]
+        print(f"{r['mode']:8} {blocked:12.2f}s {blocked / base:7.2f}x {r['step_s']:7.3f}s "
+              f"{r['step_during_write_s']:13.3f}s {r['wall_s']:6.1f}s")
     ok = all(r["losses"] == rows[0]["losses"] for r in rows)
     finish(ok, "none", 0.0, args, rows)
 
