@@ -57,7 +57,10 @@ def model_config_of(path: str):
     return AutoConfig.for_model(values.pop("model_type"), **values)
 
 
-def export_hf(path: str, out: str, tokenizer_path: str | None = None) -> str:
+def export_hf(path: str, out: str, tokenizer_path: str | None = None,
+              dtype: str | None = None) -> str:
+    """``dtype`` (float32, bfloat16, float16): the exported weights' and the config's; None:
+    as saved."""
     from transformers import AutoProcessor, AutoTokenizer
 
     from automodel.models.multimodal import auto_class, is_image_text, text_config
@@ -88,6 +91,10 @@ def export_hf(path: str, out: str, tokenizer_path: str | None = None) -> str:
         raise CheckpointError(f"checkpoint {path}: weights do not match {type(model).__name__}"
                               f": missing {sorted(missing)[:8]}, unexpected "
                               f"{sorted(set(state) - expected)[:8]}")
+    if dtype is not None:  # (the meta model too: save_pretrained writes its dtype)
+        state = {k: v.to(getattr(torch, dtype)) if v.is_floating_point() else v
+                 for k, v in state.items()}
+        model.to(getattr(torch, dtype))
     tmp = out.rstrip("/") + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, state_dict=state, safe_serialization=True)
@@ -127,9 +134,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("checkpoint", help="a checkpoint directory (…/checkpoints/step_N)")
     p.add_argument("output", help="the Hugging Face model directory to write")
     p.add_argument("--tokenizer", default=None, help="a tokenizer directory to copy along")
+    p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                   help="the exported weights' dtype (default: as saved)")
     args = p.parse_args(argv)
     try:
-        out = export_hf(args.checkpoint, args.output, args.tokenizer)
+        out = export_hf(args.checkpoint, args.output, args.tokenizer, args.dtype)
     except CheckpointError as err:
         print(f"automodel: {err}", file=sys.stderr)
         return 2

@@ -22,6 +22,7 @@ import logging
 import os
 import shutil
 import warnings
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -30,6 +31,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
+    set_model_state_dict,
     set_state_dict,
 )
 
@@ -108,14 +110,25 @@ def _ranks(group) -> int:
     return dist.get_world_size(group) if dist.is_initialized() else 1
 
 
+@dataclass
+class _SaveJob:
+    step: int
+    tmp: str  # where it is written before the rename
+    meta: dict  # trainer.json
+    model_config: dict | None
+    export_hf: bool
+    tokenizer: str | None
+
+
 class Checkpointer:
     """``rank``: this rank within ``group``, the model's ranks (default: the world), over
     which every collective of a save or a load runs; its rank 0 writes the shared files."""
 
     def __init__(self, root: str, keep_last: int | None, rank: int, faults=None,
                  size_estimate: int = 0, group=None, trainable_only: bool = False,
-                 background=None):
+                 background=None, export_dtype: str | None = None):
         self.background = background  # a BackgroundSaver (checkpoint.async_mode) or None
+        self.export_dtype = export_dtype  # the Hugging Face export's weights (None: as saved)
         self.root = root
         self.options = TRAINABLE_ONLY if trainable_only else OPTIONS
         self.keep_last = keep_last
@@ -129,22 +142,27 @@ class Checkpointer:
         return checkpoint_path(self.root, step)
 
     def save(self, step: int, parts, optimizers, scheduler, model_config=None,
-             extra: dict | None = None, export_hf: bool = False, blocking: bool = True) -> str:
+             extra: dict | None = None, export_hf: bool = False, blocking: bool = True,
+             model_only: bool = False) -> str:
         """Write the checkpoint of ``step``; a file-system failure (a full disk) raises
         ``CheckpointWriteError`` naming the path, the space needed and free, and the last
         complete checkpoint, after removing the unfinished one. With a background saver and
         ``blocking=False``, return once the state is staged (``checkpoint/background.py``);
-        any save first waits for the one in flight."""
+        any save first waits for the one in flight. ``model_only``: no optimizer state
+        (``trainer.json`` says so; a load must exclude the optimizer)."""
         tmp = os.path.join(self.root, f".tmp-step_{step:08d}")
         if self.background is not None:
             self.background.wait(f"the save of step {step}")
             self.background.raise_if_failed()
+        meta = {**self._meta(step, scheduler, extra), **({"model_only": True} if model_only
+                                                        else {})}
+        job = _SaveJob(step, tmp, meta, model_config, export_hf,
+                       (extra or {}).get("tokenizer_path"))
         try:
+            state = self._prepare(tmp, parts, optimizers, model_only)
             if self.background is not None and not blocking:
-                return self._start_background(step, tmp, parts, optimizers, scheduler,
-                                              model_config, extra, export_hf)
-            return self._save(step, tmp, parts, optimizers, scheduler, model_config, extra,
-                              export_hf)
+                return self._start_background(job, state)
+            return self._save(job, state)
         except (Exception, CheckpointException) as err:
             free = shutil.disk_usage(self.root).free if os.path.isdir(self.root) else None
             # a full disk does not always say so (torch's writer may report only "unexpected
@@ -175,7 +193,7 @@ class Checkpointer:
         return (f"cannot write the checkpoint of step {step} to {self.path(step)}: {cause}. "
                 f"{space}the unfinished {tmp} was removed; {last}")
 
-    def _prepare(self, tmp: str, parts, optimizers) -> dict:
+    def _prepare(self, tmp: str, parts, optimizers, model_only: bool) -> dict:
         """Rank 0 clears what an unfinished save left and makes ``tmp``; every rank's state
         (references to its shards), and this rank's RNG state written into ``tmp``."""
         if self.rank == 0:
@@ -186,57 +204,53 @@ class Checkpointer:
             os.makedirs(tmp)
         _barrier(self.group)
         state = _merged(_part_states(parts, optimizers, self.options))
+        if model_only:
+            del state["optim"]
         self.size_estimate = max(self.size_estimate, _state_bytes(state) * _ranks(self.group))
         torch.save(_rng_state(), os.path.join(tmp, f"rng_rank{self.rank}.pt"))
         return state  # (the size: for a failure message)
 
-    def _save(self, step: int, tmp: str, parts, optimizers, scheduler, model_config, extra,
-              export_hf: bool) -> str:
-        state = self._prepare(tmp, parts, optimizers)
+    def _save(self, job: "_SaveJob", state: dict) -> str:
         with _quiet_single_process():
-            dcp.save(state, checkpoint_id=tmp, no_dist=not dist.is_initialized(),
+            dcp.save(state, checkpoint_id=job.tmp, no_dist=not dist.is_initialized(),
                      process_group=self.group)
         if self.faults is not None:
-            self.faults.in_save(step)
+            self.faults.in_save(job.step)
         _barrier(self.group)
         if self.rank == 0:
-            self._publish(step, tmp, model_config, self._meta(step, scheduler, extra),
-                          export_hf, extra)
+            self._publish(job)
         _barrier(self.group)
-        return self.path(step)
+        return self.path(job.step)
 
-    def _start_background(self, step: int, tmp: str, parts, optimizers, scheduler,
-                          model_config, extra, export_hf: bool) -> str:
-        state = self._prepare(tmp, parts, optimizers)
-        meta = self._meta(step, scheduler, extra)  # (now: the scheduler moves on)
-
+    def _start_background(self, job: "_SaveJob", state: dict) -> str:
         def finish():
             if self.rank == 0:
-                self._publish(step, tmp, model_config, meta, export_hf, extra)
+                self._publish(job)
 
         with _quiet_single_process():
-            self.background.start(step, self.path(step), state, tmp, finish, self.faults)
-        return self.path(step)
+            self.background.start(job.step, self.path(job.step), state, job.tmp, finish,
+                                  self.faults)
+        return self.path(job.step)
 
     def _meta(self, step: int, scheduler, extra) -> dict:
+        """``trainer.json``, taken when the save starts (the scheduler moves on)."""
         return copy.deepcopy({"step": step, "scheduler": scheduler.state_dict(),
                               "world_size": _ranks(self.group), **(extra or {})})
 
-    def _publish(self, step: int, tmp: str, model_config, meta: dict, export_hf: bool,
-                 extra) -> None:
+    def _publish(self, job: "_SaveJob") -> None:
         """Rank 0, once every rank's shards are written: the shared files, the export, then
         the atomic rename that makes the checkpoint visible, and ``keep_last``."""
-        final = self.path(step)
-        if model_config is not None:
+        final, tmp = self.path(job.step), job.tmp
+        if job.model_config is not None:
             with open(os.path.join(tmp, "model_config.json"), "w") as f:
-                json.dump(model_config, f, indent=1, sort_keys=True)
+                json.dump(job.model_config, f, indent=1, sort_keys=True)
         with open(os.path.join(tmp, "trainer.json"), "w") as f:
-            json.dump(meta, f, indent=1)
-        if export_hf:
+            json.dump(job.meta, f, indent=1)
+        if job.export_hf:
             from automodel.checkpoint.hf_export import export_hf as export
 
-            export(tmp, os.path.join(tmp, "hf"), (extra or {}).get("tokenizer_path"))
-        old = os.path.join(self.root, f".old-step_{step:08d}")
+            export(tmp, os.path.join(tmp, "hf"), job.tokenizer, self.export_dtype)
+        old = os.path.join(self.root, f".old-step_{job.step:08d}")
         if os.path.isdir(final):  # the same step saved by an earlier run: keep it until
             os.replace(final, old)  # the new one is in place
         os.replace(tmp, final)  # the checkpoint appears whole
@@ -248,12 +262,47 @@ class Checkpointer:
             for old in complete_checkpoints(self.root)[:-self.keep_last]:
                 shutil.rmtree(old, ignore_errors=True)
 
-    def load(self, path: str, parts, optimizers, scheduler) -> int:
-        """Restore everything saved at ``path`` (any layout); returns the step it was saved
-        after. Raises CheckpointError, naming the path and keys, before changing anything."""
+    def load(self, path: str, parts, optimizers, scheduler, exclude=()) -> int:
+        """Restore what was saved at ``path`` (any layout), less ``exclude`` (of
+        ``optimizer``, ``scheduler``, ``step``, ``rng``); returns the step it was saved after
+        (0 when ``step`` is excluded). Raises CheckpointError, naming the path and keys,
+        before changing anything."""
         meta = check_files(path)
+        with open(os.path.join(path, "trainer.json")) as f:
+            trainer = json.load(f)
+        if trainer.get("model_only") and "optimizer" not in exclude:
+            raise CheckpointError(
+                f"checkpoint {path} holds the model's weights only (saved with "
+                "checkpoint.last_save_model_only=true): start from its weights with "
+                "checkpoint.initial_load_path, or add optimizer to "
+                "checkpoint.exclude_from_loading")
         states = _part_states(parts, optimizers, self.options)
         state = _merged(states)
+        if "optimizer" in exclude:
+            del state["optim"]
+        self._check(path, meta, state)
+        with _quiet_single_process():
+            dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized(),
+                     process_group=self.group)
+        for (m, o), part, opt in zip(states, parts, optimizers.optimizers):
+            weights = {k: state["model"][k] for k in m}
+            if "optim" not in state:  # (the optimizer stays as built: fresh)
+                set_model_state_dict(part, weights, options=self.options)
+                continue
+            set_state_dict(part, opt, model_state_dict=weights,
+                           optim_state_dict={k: state["optim"][k] for k in o},
+                           options=self.options)
+        self.loaded_meta = trainer
+        if "scheduler" not in exclude:
+            scheduler.load_state_dict(trainer["scheduler"])
+        rng = os.path.join(path, f"rng_rank{self.rank}.pt")
+        if "rng" not in exclude and os.path.isfile(rng):  # (a rank the saving job did not
+            _set_rng_state(torch.load(rng))  # have keeps its own)
+        return 0 if "step" in exclude else int(trainer["step"])
+
+    def _check(self, path: str, meta, state: dict) -> None:
+        """The keys and shapes this rank loads against the checkpoint's, every rank raising
+        the same error (none is left waiting)."""
         flat, _ = flatten_state_dict(state)
         model_keys = set().union(*_gather({k for k in flat if k.startswith("model.")},
                                           self.group))
@@ -263,23 +312,8 @@ class Checkpointer:
         except CheckpointError as err:
             problem = str(err)
         problems = [p for p in _gather(problem, self.group) if p]
-        if problems:  # every rank raises the same error, none is left waiting
+        if problems:
             raise CheckpointError(problems[0])
-        with _quiet_single_process():
-            dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized(),
-                     process_group=self.group)
-        for (m, o), part, opt in zip(states, parts, optimizers.optimizers):
-            set_state_dict(part, opt, model_state_dict={k: state["model"][k] for k in m},
-                           optim_state_dict={k: state["optim"][k] for k in o},
-                           options=self.options)
-        with open(os.path.join(path, "trainer.json")) as f:
-            trainer = json.load(f)
-        self.loaded_meta = trainer
-        scheduler.load_state_dict(trainer["scheduler"])
-        rng = os.path.join(path, f"rng_rank{self.rank}.pt")
-        if os.path.isfile(rng):  # (a rank the saving job did not have keeps its own)
-            _set_rng_state(torch.load(rng))
-        return int(trainer["step"])
 
 
 def checkpoint_bytes(params: int, trainable: int, param_bytes: int) -> int:
@@ -292,12 +326,13 @@ def warn_if_short_of_space(root: str, per_checkpoint: int, ckpt, max_steps: int)
     """At start-up: warn when the file system of ``root`` cannot hold the checkpoints this run
     keeps (``checkpoint.keep_last`` of them, plus the one being written, plus HF exports)."""
     saves = max_steps // ckpt.every_steps if ckpt.every_steps else 0
-    if ckpt.export_hf and not saves:
+    if ckpt.export_hf != "never" and not saves:
         saves = 1  # the final one
     if not saves:
         return
     kept = min(saves, ckpt.keep_last) if ckpt.keep_last else saves
-    each = per_checkpoint * (1.5 if ckpt.export_hf else 1.0)  # (an export holds the weights)
+    each = per_checkpoint * (1.5 if ckpt.export_hf != "never" else 1.0)  # (an export: the
+    # weights again)
     need = int(each * min(kept + 1, saves))
     where = root
     while not os.path.isdir(where) and os.path.dirname(where) != where:

@@ -185,7 +185,7 @@ def resolve(cfg, env: Optional[Mapping[str, str]] = None, output_dir: str = ".",
     check_optim(optim)
     logger = build(s.LoggerConfig, plain.get("logger"), "logger")
     checkpoint = build(s.CheckpointConfig, plain.get("checkpoint"), "checkpoint")
-    check_checkpoint(checkpoint)
+    checkpoint = check_checkpoint(checkpoint)
     peft = check_peft(build(s.PeftConfig, plain.get("peft"), "peft"), strategy, layout)
     experiment = plain.get("experiment")
     checkpoint = resolve_checkpoint(checkpoint, experiment, output_dir, sweep_dir,

@@ -307,8 +307,19 @@ class CheckpointConfig:
     dir: Optional[str] = None  # null = <output dir>/checkpoints
     keep_last: Optional[int] = 3  # null = keep all
     resume: Optional[str] = None  # null | auto (latest complete in dir) | a checkpoint path
-    export_hf: bool = False  # also write each checkpoint (and the final one) as a Hugging
-    # Face model in <checkpoint>/hf (safetensors; loadable by from_pretrained)
+    # also write checkpoints as Hugging Face models in <checkpoint>/hf (safetensors; loadable
+    # by from_pretrained): never | final (the checkpoint of trainer.max_steps) | every (true
+    # and false: every and never)
+    export_hf: str = "never"
+    export_dtype: Optional[str] = None  # the export's weights: float32 | bfloat16 | float16;
+    # null: as trained (model.dtype)
+    last_save_model_only: bool = False  # the checkpoint of trainer.max_steps without optimizer
+    # what a load leaves out, of: optimizer, scheduler (the LR schedule), step (the step
+    # counter and the data position: the run starts at step 0), rng
+    exclude_from_loading: List[str] = field(default_factory=list)
+    initial_load_path: Optional[str] = None  # a checkpoint (step_<N>, any layout) whose
+    # weights a fresh run starts from instead of model.pretrained_path's (a resumed run
+    # loads its own checkpoint)
     # none: a save blocks until written | thread / process: training waits only while the
     # state is copied to host memory; the write, then the checkpoint's completion, go on in
     # the background (one save at a time; the last save of a run blocks)

@@ -9,6 +9,7 @@ checks one section (or a pair of sections that constrain each other) and raises
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 
@@ -141,9 +142,39 @@ def check_tensor_parallel(par, layout: Layout, model: s.ModelConfig,
         layout.check_sequence_parallel_seq_len(trainer.seq_len)
 
 
-def check_checkpoint(c: s.CheckpointConfig) -> None:
-    """The values; whether the checkpoint to resume from is whole needs its metadata (torch),
-    and is checked before launch (``launch/preflight.py``: check_resume_checkpoint)."""
+EXPORT_HF = {"never": "never", "final": "final", "every": "every", "true": "every",
+             "false": "never"}
+EXPORT_DTYPES = ("float32", "bfloat16", "float16")
+LOAD_PARTS = ("optimizer", "scheduler", "step", "rng")  # what exclude_from_loading may name
+
+
+def check_checkpoint(c: s.CheckpointConfig) -> s.CheckpointConfig:
+    """The values (a copy, ``export_hf`` as never / final / every); whether the checkpoint to
+    resume or start from is whole needs its metadata (torch), and is checked before launch
+    (``launch/preflight.py``: check_resume_checkpoint)."""
+    export = EXPORT_HF.get(str(c.export_hf).lower())
+    if export is None:
+        raise ConfigError(f"checkpoint.export_hf={c.export_hf!r}: use never, final (the "
+                          "checkpoint of trainer.max_steps) or every")
+    if c.export_dtype is not None and c.export_dtype not in EXPORT_DTYPES:
+        raise ConfigError(f"checkpoint.export_dtype={c.export_dtype!r}: use one of "
+                          f"{', '.join(EXPORT_DTYPES)}, or null (as trained)")
+    unknown = [k for k in c.exclude_from_loading if k not in LOAD_PARTS]
+    if unknown:
+        hint = (" (a checkpoint's weights are always loaded: to start without them, leave "
+                "checkpoint.resume and checkpoint.initial_load_path null)"
+                if "model" in unknown else "")
+        raise ConfigError(f"checkpoint.exclude_from_loading={list(c.exclude_from_loading)}: "
+                          f"{', '.join(map(repr, unknown))} names nothing a load reads; name "
+                          f"any of {', '.join(LOAD_PARTS)}{hint}")
+    if c.initial_load_path is not None and not os.path.isdir(c.initial_load_path):
+        raise ConfigError(f"checkpoint.initial_load_path={c.initial_load_path!r}: no such "
+                          "checkpoint directory (a step_<N> folder of checkpoint.dir)")
+    _check_values(c)
+    return dataclasses.replace(c, export_hf=export)
+
+
+def _check_values(c: s.CheckpointConfig) -> None:
     _positive("checkpoint.every_steps", c.every_steps)
     _positive("checkpoint.keep_last", c.keep_last)
     if c.resume is not None and c.resume != "auto" and not os.path.isdir(c.resume):

@@ -273,10 +273,13 @@ def prepare_data(cfg: TrainConfig) -> None:
 
 def check_resume_checkpoint(cfg: TrainConfig) -> None:
     """The checkpoint ``checkpoint.resume`` names (or, with ``auto``, the latest complete one in
-    ``checkpoint.dir``) is whole: its metadata reads and no shard file is missing or truncated.
+    ``checkpoint.dir``), and the one ``checkpoint.initial_load_path`` names, is whole: its
+    metadata reads and no shard file is missing or truncated.
     (Reading the metadata needs torch.distributed.checkpoint, so this is not a config check;
     the config checks that an explicit path exists.)"""
     c = cfg.checkpoint
+    if c.initial_load_path is not None:
+        _check_whole("checkpoint.initial_load_path", c.initial_load_path)
     if c.resume is None:
         return
     from automodel.checkpoint.paths import checkpoint_root, complete_checkpoints
@@ -287,6 +290,29 @@ def check_resume_checkpoint(cfg: TrainConfig) -> None:
         key, path = "checkpoint.resume=auto found", (found[-1] if found else None)
     if path is None:
         return
+    _check_whole(key, path)
+    _check_model_only(key, path, c.exclude_from_loading)
+    from automodel.peft.resume import check_resumed_adapters
+
+    check_resumed_adapters(cfg, path, key)
+
+
+def _check_model_only(key: str, path: str, exclude) -> None:
+    """A checkpoint saved without its optimizer (``last_save_model_only``) resumes only with
+    the optimizer left out."""
+    import json
+    import os
+
+    with open(os.path.join(path, "trainer.json")) as f:
+        model_only = json.load(f).get("model_only", False)
+    if model_only and "optimizer" not in exclude:
+        raise ConfigError(f"{key} {path}: it holds the model's weights only (saved with "
+                          "checkpoint.last_save_model_only=true); start from them with "
+                          f"checkpoint.initial_load_path={path}, or resume with "
+                          "checkpoint.exclude_from_loading=[optimizer]")
+
+
+def _check_whole(key: str, path: str) -> None:
     from automodel.checkpoint.verify import check_files
     from automodel.errors import CheckpointError
 
@@ -294,9 +320,6 @@ def check_resume_checkpoint(cfg: TrainConfig) -> None:
         check_files(path)
     except CheckpointError as err:
         raise ConfigError(f"{key}: {err}") from None
-    from automodel.peft.resume import check_resumed_adapters
-
-    check_resumed_adapters(cfg, path, key)
 
 
 # What a resolved config must pass before anything starts, in order: what the machine can run,

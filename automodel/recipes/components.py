@@ -19,6 +19,7 @@ from automodel.checkpoint.manager import Checkpointer, checkpoint_bytes, warn_if
 from automodel.checkpoint.paths import checkpoint_root, complete_checkpoints, step_of
 from automodel.config.enums import AsyncMode
 from automodel.config.resolve import TrainConfig
+from automodel.config.validate import LOAD_PARTS
 from automodel.data.batches import BatchPlan
 from automodel.data.sources import training_data
 from automodel.distributed.init import DistInfo
@@ -152,7 +153,8 @@ def _checkpointer(cfg: TrainConfig, info: DistInfo, group, faults: Faults, outpu
     checkpointer = Checkpointer(checkpoint_root(cfg.checkpoint.dir, output_dir),
                                 cfg.checkpoint.keep_last, info.rank, faults, per_checkpoint,
                                 group, trainable_only=adapters,
-                                background=_background_saver(cfg, info, group))
+                                background=_background_saver(cfg, info, group),
+                                export_dtype=cfg.checkpoint.export_dtype)
     if info.is_main:
         warn_if_short_of_space(checkpointer.root, per_checkpoint, cfg.checkpoint,
                                cfg.trainer.max_steps)
@@ -236,8 +238,18 @@ def restore(cfg: TrainConfig, parts: Components) -> int:
             log.warning("checkpoint.resume=auto: looked in %s and found the checkpoint of "
                         "step %d (%s); resuming from it", checkpointer.root, step_of(path),
                         path)
+    exclude = tuple(cfg.checkpoint.exclude_from_loading)
+    if path is None and cfg.checkpoint.initial_load_path is not None:
+        path = cfg.checkpoint.initial_load_path  # (a fresh run: the weights alone)
+        checkpointer.load(path, parts.parallel.parts, parts.optimizer, parts.scheduler,
+                          exclude=LOAD_PARTS)
+        log.info("checkpoint.initial_load_path: the weights of %s; a fresh optimizer, LR "
+                 "schedule and step counter", path)
+        return 0
     if path is None:
         return 0
-    step = checkpointer.load(path, parts.parallel.parts, parts.optimizer, parts.scheduler)
-    log.info("resumed from %s after step %d", path, step)
+    step = checkpointer.load(path, parts.parallel.parts, parts.optimizer, parts.scheduler,
+                             exclude=exclude)
+    left = f" (left out: {', '.join(exclude)})" if exclude else ""
+    log.info("resumed from %s after step %d%s", path, step, left)
     return step

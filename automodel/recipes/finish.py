@@ -23,7 +23,7 @@ def save_last(run: Run) -> None:
     run, or when the run reached ``trainer.max_steps`` with checkpoints or the export on."""
     cfg = run.cfg
     final = (run.number == cfg.trainer.max_steps
-             and (cfg.checkpoint.every_steps or cfg.checkpoint.export_hf))
+             and (cfg.checkpoint.every_steps or cfg.checkpoint.export_hf != "never"))
     if run.saved_step != run.number and (run.stopped_by is not None or final):
         run.save(run.number)
 

@@ -71,10 +71,13 @@ class Run:
         with startup_timeout(info, self.group):  # rank 0 exports and prunes alone
             set_phase(f"checkpoint save (step {step_number}, "
                       f"{parts.checkpointer.path(step_number)})")
-            path = parts.checkpointer.save(step_number, parts.parallel.parts, parts.optimizer,
-                                           parts.scheduler, parts.model_config, extra,
-                                           export_hf=cfg.checkpoint.export_hf,
-                                           blocking=blocking)
+            last = step_number == cfg.trainer.max_steps
+            export = cfg.checkpoint.export_hf == "every" or (
+                cfg.checkpoint.export_hf == "final" and last)
+            path = parts.checkpointer.save(
+                step_number, parts.parallel.parts, parts.optimizer, parts.scheduler,
+                parts.model_config, extra, export_hf=export, blocking=blocking,
+                model_only=last and cfg.checkpoint.last_save_model_only)
         self.saved_step = step_number
         if parts.checkpointer.background is not None and not blocking:
             log.info("checkpoint staged: %s (training blocked %.2f s; written in the "
