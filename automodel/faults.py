@@ -3,7 +3,8 @@ the training config, so a real run cannot switch it on by accident).
 
 ``AUTOMODEL_FAULTS`` is a comma-separated list of ``kind@step[:rank][/restart]`` (rank omitted:
 every rank; restart omitted: every run of the job, else only the run after that many SLURM
-requeues, ``/0`` being the first run); a step is the 1-based number of the optimizer step:
+requeues and in-job restarts (``distributed.max_restarts``) together, ``/0`` being the first
+run); a step is the 1-based number of the optimizer step:
 
     nan@3            step 3's logits become NaN (so its loss and gradients do)
     kill@3:1         rank 1 kills itself with SIGKILL at the start of step 3
@@ -67,7 +68,8 @@ def parse(text: str | None) -> list[Fault]:
 class Faults:
     def __init__(self, rank: int, text: str | None = None, restart: int | None = None):
         self.rank = rank
-        restart = int(os.environ.get("SLURM_RESTART_COUNT", 0)) if restart is None else restart
+        if restart is None:  # (the attempt: SLURM's requeues plus the in-job restarts)
+            restart = int(os.environ.get("SLURM_RESTART_COUNT", 0)) + in_job_restart()
         self.faults = [f for f in parse(os.environ.get(ENV) if text is None else text)
                        if f.rank in (None, rank) and f.restart in (None, restart)]
 
@@ -109,6 +111,12 @@ class Faults:
             except OSError as cause:
                 raise RuntimeError("[enforce fail at inline_container.cc] . PytorchStreamWriter "
                                    "failed writing file data") from cause
+
+
+def in_job_restart() -> int:
+    """How often the job's ranks were started again inside the job
+    (``distributed.max_restarts``; torch's elastic agent numbers its attempts)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
 
 
 def _nan_output(module, args, output):

@@ -41,6 +41,9 @@ class DistributedConfig:
     stop_grace_seconds: int = 120  # after SIGTERM the local launcher gives its ranks this long
     # to finish the step and save a checkpoint before killing them (torchrun: set
     # TORCH_ELASTIC_SHUTDOWN_TIMEOUT; SLURM: the job's signal delay)
+    # when a rank fails: stop every rank and start them again, resuming from the last complete
+    # checkpoint, up to this many times in the job (0: the job fails at once)
+    max_restarts: int = 0
 
 
 @dataclass

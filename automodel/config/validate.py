@@ -46,6 +46,7 @@ def check_distributed(d: s.DistributedConfig) -> None:
     _positive("distributed.startup_timeout_minutes", d.startup_timeout_minutes)
     _positive("distributed.nproc_per_node", d.nproc_per_node)
     _positive("distributed.stop_grace_seconds", d.stop_grace_seconds, 0)
+    _positive("distributed.max_restarts", d.max_restarts, 0)
 
 
 def check_trainer_options(trainer: s.TrainerConfig, pipeline, strategy) -> None:

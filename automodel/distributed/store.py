@@ -64,11 +64,15 @@ def _listening_socket(address: str, port: int) -> socket.socket:
 
 
 def rendezvous_store(rank: int, world: int, timeout: datetime.timedelta):
-    """The job's store, or None where torch's agent serves it. Rank 0 serves it on MASTER_ADDR's
-    own address (``bind_address``), the other ranks connect to MASTER_ADDR:MASTER_PORT."""
-    if agent_serves_store():
-        return None
+    """The job's store. Rank 0 serves it on MASTER_ADDR's own address (``bind_address``), the
+    other ranks connect to MASTER_ADDR:MASTER_PORT; under torch's agent every rank is a client
+    of the agent's store, under a prefix of the attempt (``distributed.max_restarts``)."""
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    if agent_serves_store():  # (the agent keeps one store over its restarts: each attempt's
+        # keys under their own prefix, or a restarted rank reads the last attempt's addresses)
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        return dist.PrefixStore(f"automodel/attempt_{attempt}",
+                                dist.TCPStore(host, port, world, False, timeout))
     if rank != 0:
         return dist.TCPStore(host, port, world, False, timeout)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))

@@ -89,10 +89,11 @@ def _run_here(cfg: TrainConfig, external: bool):
 
 
 def run_on_local_ranks(entry, nproc: int, *args, name: str = "automodel",
-                       stop_grace_seconds: int = 30) -> dict:
+                       stop_grace_seconds: int = 30, max_restarts: int = 0) -> dict:
     """Run ``entry(*args)`` on ``nproc`` local ranks (forked from the fork server, under the
-    environment of now; torch's elastic launch, a fresh rendezvous port that the OS picks, no
-    restarts). Returns {rank: result}; raises
+    environment of now; torch's elastic launch, a fresh rendezvous port that the OS picks;
+    when a rank fails, every rank is stopped and started again up to ``max_restarts`` times,
+    each attempt numbered in TORCHELASTIC_RESTART_COUNT). Returns {rank: result}; raises
     ChildFailedError, or SignalException when this process is told to stop (its ranks get
     SIGTERM and ``stop_grace_seconds`` to end)."""
     forkserver.context()  # (its preload list, set before the server first starts)
@@ -101,7 +102,7 @@ def run_on_local_ranks(entry, nproc: int, *args, name: str = "automodel",
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=run_id,
         rdzv_backend="c10d", rdzv_endpoint=RENDEZVOUS_ENDPOINT, local_addr=RENDEZVOUS_HOST,
-        max_restarts=0,
+        max_restarts=max_restarts,
         monitor_interval=0.1, start_method="forkserver", shutdown_timeout=stop_grace_seconds)
     with _user_signals_stop() as received:
         try:
@@ -171,7 +172,8 @@ def _launch_local_ranks(cfg: TrainConfig, nproc: int) -> dict:
     channel = forkserver.context().SimpleQueue()
     try:
         return run_on_local_ranks(_rank_entry, nproc, cfg, channel,
-                                  stop_grace_seconds=cfg.distributed.stop_grace_seconds)
+                                  stop_grace_seconds=cfg.distributed.stop_grace_seconds,
+                                  max_restarts=cfg.distributed.max_restarts)
     except ChildFailedError as err:
         codes = {f.exitcode for f in err.failures.values()}
         if codes <= {128 + s for s in STOP_SIGNALS}:  # the ranks were signalled and saved

@@ -33,7 +33,7 @@ from automodel.distributed.materialize import (
 from automodel.distributed.megatron_meta_init import ModuleSource
 from automodel.distributed.mesh import MeshAxis
 from automodel.distributed.setup import DistributedSetup
-from automodel.faults import Faults
+from automodel.faults import Faults, in_job_restart
 from automodel.launch.failure import set_phase
 from automodel.models.builder import build_meta_model, build_model
 from automodel.optim import Optimizers, Schedulers
@@ -227,6 +227,11 @@ def restore(cfg: TrainConfig, parts: Components) -> int:
     if path is None and cfg.launch.restarts > 0:
         log.info("SLURM requeued this job (restart %d): resuming from the latest checkpoint",
                  cfg.launch.restarts)
+        path = "auto"
+    if path is None and in_job_restart() > 0:
+        log.info("the job's ranks were started again (in-job restart %d of "
+                 "distributed.max_restarts=%d): resuming from the latest checkpoint",
+                 in_job_restart(), cfg.distributed.max_restarts)
         path = "auto"
     if path == "auto":
         found = complete_checkpoints(checkpointer.root)

@@ -38,7 +38,7 @@ MESH = {"dp_size": None, "dp_replicate_size": None, "tp_size": 1, "cp_size": 1,
         "cp_ulysses_size": None, "pp_size": None, "ep_size": 1}
 DISTRIBUTED = {"backend": None, "timeout_minutes": 1, "nproc_per_node": None,
                "stop_grace_seconds": 120, "startup_timeout_minutes": 30,
-               "preflight_step": True}
+               "preflight_step": True, "max_restarts": 0}
 TRAINER = ("max_steps", "global_batch_size", "local_batch_size", "seq_len", "seed", "log_every",
            "stop_at_step", "on_nonfinite")
 CHECKPOINT = {"every_steps": None, "dir": None, "keep_last": 3, "resume": None,

@@ -1,0 +1,51 @@
+"""In-job restarts (``distributed.max_restarts``) under the local launcher: a rank that dies
+stops every rank, and they start again inside the same job, resuming from the last complete
+checkpoint. Real SIGKILLs of real rank processes (the fault drills, automodel/faults.py), whose
+``/restart`` qualifier counts the in-job restarts."""
+
+import re
+
+import pytest
+
+from automodel.api import run as api_run
+from automodel.errors import LaunchError
+from tests.helpers import BASE, ON_CPU, train
+
+RUN = ["parallelism=ddp", "trainer.max_steps=6", "checkpoint.every_steps=2"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    return train(RUN, tmp_path_factory.mktemp("full"))
+
+
+def test_a_rank_killed_once_is_restarted_and_the_job_ends_as_the_uninterrupted_one(
+        uninterrupted, tmp_path, monkeypatch):
+    """Rank 1 killed at the start of step 3 in the first attempt only (``/0``), one restart
+    allowed: the job completes; steps 1-2 ran before, 3-6 after the restart from step 2's
+    checkpoint, each once; losses and gradient norms are the uninterrupted run's."""
+    monkeypatch.setenv("AUTOMODEL_FAULTS", "kill@3:1/0")
+    records = train(RUN + ["distributed.max_restarts=1"], tmp_path)
+    assert [r["step"] for r in records] == [3, 4, 5, 6]  # (rank 0's records of the last run)
+    log = (tmp_path / "train.log").read_text()
+    assert "in-job restart 1 of distributed.max_restarts=1" in log
+    from automodel.tracking.metrics import read_metrics
+
+    written = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in written] == [1, 2, 3, 4, 5, 6]  # each step once
+    assert [(r["loss"], r["grad_norm"]) for r in written] == \
+        [(r["loss"], r["grad_norm"]) for r in uninterrupted]
+
+
+@pytest.mark.parametrize("restarts", [0, 2])
+def test_a_rank_that_dies_in_every_attempt_ends_the_job_with_the_cause(restarts, tmp_path,
+                                                                       monkeypatch):
+    """``max_restarts=0``: the job fails at once, as without restarts; ``2``: the rank dies
+    in each of the 3 attempts and the job then fails; either way naming the rank and how it
+    died."""
+    monkeypatch.setenv("AUTOMODEL_FAULTS", "kill@3:1")
+    with pytest.raises(LaunchError) as err:
+        api_run(ON_CPU + BASE + RUN + [f"distributed.max_restarts={restarts}"], str(tmp_path))
+    assert re.search(r"rank 1 failed \(exit code -9\)", str(err.value)), str(err.value)
+    log = (tmp_path / "train.log").read_text()
+    assert log.count("in-job restart") == restarts
