@@ -28,6 +28,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
+from automodel.checkpoint.manager import _gather
 from automodel.config.enums import AsyncMode
 from automodel.errors import CheckpointWriteError, describe
 
@@ -128,14 +129,6 @@ class BackgroundSaver:
         finally:
             self.stager.close()
             self.executor.shutdown(wait=True)
-
-
-def _gather(obj, group) -> list:
-    if dist.is_initialized() and dist.get_world_size(group) > 1:
-        out: list = [None] * dist.get_world_size(group)
-        dist.all_gather_object(out, obj, group=group)
-        return out
-    return [obj]
 
 
 class _AlreadyStaged(AsyncStager):

@@ -55,26 +55,25 @@ class RealStaysReal(dispatch_mode_base()):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         tensors = [a for a in tensor_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
-        if tensors:
-            devices = {_device_if_real(t) for t in tensors}
-            if len(devices) == 1 and None not in devices:
-                with real_tensors():
-                    return func(*args, **kwargs)
-        return func(*args, **kwargs)
-
-
-class IndicesStayReal(dispatch_mode_base()):
-    """Enter innermost, around a simulated step: an op whose tensor inputs are all real host
-    tensors of an integer or boolean dtype runs for real (see the module's note)."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        tensors = [a for a in tensor_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
-        if tensors and all(_device_if_real(t) == "cpu" and not t.is_floating_point()
-                           and not t.is_complex() for t in tensors):
+        if tensors and self.runs_real(tensors):
             with real_tensors():
                 return func(*args, **kwargs)
         return func(*args, **kwargs)
+
+    @staticmethod
+    def runs_real(tensors: list) -> bool:
+        devices = {_device_if_real(t) for t in tensors}
+        return len(devices) == 1 and None not in devices
+
+
+class IndicesStayReal(RealStaysReal):
+    """Enter innermost, around a simulated step: an op whose tensor inputs are all real host
+    tensors of an integer or boolean dtype runs for real (see the module's note)."""
+
+    @staticmethod
+    def runs_real(tensors: list) -> bool:
+        return all(_device_if_real(t) == "cpu" and not t.is_floating_point()
+                   and not t.is_complex() for t in tensors)
 
 
 def allocate_fake(parts: list) -> None:
