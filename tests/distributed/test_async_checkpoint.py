@@ -1,7 +1,8 @@
 """Saves that do not stop training (``checkpoint.async_mode``): what they write, when it becomes
 visible, and what a fault leaves.
 
-Real ranks (FSDP2 over 2 gloo ranks, so the state is DTensor shards), real background threads
+Real ranks (FSDP2 over 2 gloo ranks under the default bf16 policy, so the state is DTensor
+shards of fp32 master weights), real background threads
 and processes; the fault drills (automodel/faults.py) hold a write back (``slow_save``: the
 steps after a save run while it waits), kill a rank inside one, or fail it as a full disk
 does.
@@ -19,9 +20,10 @@ from automodel.checkpoint.hf_export import load_full_model_state
 from automodel.checkpoint.paths import checkpoint_path, complete_checkpoints
 from automodel.config.build import ConfigError
 from automodel.errors import LaunchError
-from tests.helpers import BASE, FP32, ON_CPU, train
+from tests.helpers import BASE, ON_CPU, train
 
-FSDP2 = ["parallelism=fsdp2", FP32, "mesh.dp_size=2"]
+# the default mixed precision (bf16 compute, fp32 master weights): what users save
+FSDP2 = ["parallelism=fsdp2", "mesh.dp_size=2"]
 RUN = ["trainer.max_steps=6", "checkpoint.every_steps=2"]
 
 
