@@ -56,13 +56,15 @@ def run_from_hydra(cfg):
         return _run_job(cfg, hc)
     except TrainingStopped as stopped:  # saved and stopped on request: no traceback, and a
         # whole sweep stops too; the exit code is the shell's for that signal (143: SIGTERM)
+        from automodel.launch.restarts import task_exit_code
+
         print(f"automodel: {stopped}", file=sys.stderr, flush=True)
-        sys.exit(stopped.exit_code)
+        sys.exit(task_exit_code(stopped))
     except (ConfigError, LaunchError, CheckpointError) as err:
         kind, code = (("configuration error", 2) if isinstance(err, ConfigError)
                       else ("job failed", 1))
         if slurm_task:
-            _fail(kind, f"{err}\n{_slurm_log()}", code)
+            _fail(kind, f"{err}\n{_slurm_log(code != 2)}", code)
         if hc.mode != RunMode.MULTIRUN:
             _fail(kind, str(err), code)
         name = f"#{hc.job.num} ({' '.join(hc.overrides.task)})"
@@ -77,12 +79,13 @@ def run_from_hydra(cfg):
               f"{type(err).__name__}: {err}\n{_slurm_log()}", 1)
 
 
-def _slurm_log() -> str:
-    from automodel.launch.slurm import requeue_follows, task_log_path
+def _slurm_log(can_follow: bool = True) -> str:
+    """The task's log, and what follows its failure (``can_follow``: a run after this one could
+    end otherwise; not after a configuration error)."""
+    from automodel.launch.slurm import next_run, task_log_path
 
-    then = ("\nthe job is requeued and resumes from its last complete checkpoint"
-            if requeue_follows() else "")
-    return f"log: {task_log_path()}{then}"
+    then = next_run() if can_follow else None
+    return f"log: {task_log_path()}" + (f"\n{then}" if then else "")
 
 
 def resolve_hydra_job(cfg, hc, output_dir: str, multirun: bool, env=None):

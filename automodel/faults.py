@@ -69,6 +69,8 @@ class Faults:
     def __init__(self, rank: int, text: str | None = None, restart: int | None = None):
         self.rank = rank
         if restart is None:  # (the attempt: SLURM's requeues plus the in-job restarts)
+            from automodel.launch.restarts import in_job_restart
+
             restart = int(os.environ.get("SLURM_RESTART_COUNT", 0)) + in_job_restart()
         self.faults = [f for f in parse(os.environ.get(ENV) if text is None else text)
                        if f.rank in (None, rank) and f.restart in (None, restart)]
@@ -111,12 +113,6 @@ class Faults:
             except OSError as cause:
                 raise RuntimeError("[enforce fail at inline_container.cc] . PytorchStreamWriter "
                                    "failed writing file data") from cause
-
-
-def in_job_restart() -> int:
-    """How often the job's ranks were started again inside the job
-    (``distributed.max_restarts``; torch's elastic agent numbers its attempts)."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
 
 
 def _nan_output(module, args, output):

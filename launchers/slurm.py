@@ -29,8 +29,10 @@ class TrainJob:
     def __call__(self, overrides: list[str], output_dir: str):
         import os
 
+        from automodel.config.build import ConfigError
         from automodel.errors import TrainingStopped
-        from automodel.launch.slurm import requeue_follows
+        from automodel.launch.restarts import task_exit_code
+        from automodel.launch.slurm import next_run
         from automodel.startup import without_collections
 
         try:
@@ -46,13 +48,19 @@ class TrainJob:
         except TrainingStopped as stopped:  # saved (and requeued): end the task without a
             # result, so submitit waits for the requeued run's
             print(f"automodel: {stopped}", file=sys.stderr, flush=True)
-            sys.exit(stopped.exit_code)
-        except Exception as err:
-            if not requeue_follows():
+            sys.exit(task_exit_code(stopped))
+        except ConfigError as err:  # (found on the node: the same in any later run)
+            if next_run() is None:
                 raise
-            # the job will be requeued: no result (an error would end the submitter's wait)
-            print(f"automodel: {err}\nautomodel: the job is requeued and resumes from its "
-                  "last complete checkpoint", file=sys.stderr, flush=True)
+            # exit code 2: neither restarted nor requeued (automodel.launch.restarts)
+            print(f"automodel: configuration error:\n{err}", file=sys.stderr, flush=True)
+            sys.exit(2)
+        except Exception as err:
+            then = next_run()
+            if then is None:
+                raise
+            # the job runs again: no result (an error would end the submitter's wait)
+            print(f"automodel: {err}\nautomodel: {then}", file=sys.stderr, flush=True)
             sys.exit(1)
 
     def checkpoint(self, *args, **kwargs):
@@ -128,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from automodel.api import load_config
     from automodel.config.build import ConfigError
-    from automodel.launch.slurm import job_states_refreshed, requeue_parameters, submit_env
+    from automodel.launch.slurm import job_script_parameters, job_states_refreshed, submit_env
 
     output_dir = str(Path(args.output_dir or Path("outputs") / "slurm" /
                           datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")).absolute())
@@ -137,9 +145,9 @@ def main(argv: list[str] | None = None) -> int:
         from automodel.startup import without_collections
 
         with without_collections():
-            preflight(load_config(args.overrides, output_dir=output_dir,
-                                  env=submit_env(args.nodes, args.tasks_per_node)),
-                      gpus=args.gpus_per_node)
+            cfg = load_config(args.overrides, output_dir=output_dir,
+                              env=submit_env(args.nodes, args.tasks_per_node))
+            preflight(cfg, gpus=args.gpus_per_node)
     except ConfigError as err:
         print(f"automodel: configuration error:\n{err}", file=sys.stderr)
         return 2
@@ -152,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     params = dict(nodes=args.nodes, tasks_per_node=args.tasks_per_node,
                   cpus_per_task=args.cpus_per_task, timeout_min=args.time_min,
                   name="automodel", slurm_srun_args=["--kill-on-bad-exit=1"])
-    params.update({f"slurm_{k}": v for k, v in requeue_parameters(args.requeue).items()})
+    script = job_script_parameters(args.requeue, [cfg.distributed.max_restarts])
+    params.update({f"slurm_{k}": v for k, v in script.items()})
     if args.gpus_per_node:
         params["gpus_per_node"] = args.gpus_per_node
     if args.partition:

@@ -17,23 +17,26 @@ from typing import Sequence
 
 
 def preflight_sweep(launcher, job_overrides: Sequence[Sequence[str]],
-                    initial_job_idx: int) -> None:
+                    initial_job_idx: int) -> list[int]:
     """Preflight every job ``launcher`` (a submitit ``SlurmLauncher``, set up by Hydra) is
-    about to submit; exit 2 with the first refusal."""
+    about to submit; exit 2 with the first refusal. Returns each job's
+    ``distributed.max_restarts``."""
     from automodel.config.build import ConfigError
 
+    restarts = []
     for idx, overrides in enumerate(job_overrides, start=initial_job_idx):
         try:
-            preflight_job(launcher, list(overrides), idx)
+            restarts.append(preflight_job(launcher, list(overrides), idx))
         except ConfigError as err:
             print(f"automodel: configuration error:\nsweep job #{idx} ({' '.join(overrides)}), "
                   f"refused before anything was submitted:\n{err}", file=sys.stderr, flush=True)
             sys.exit(2)
+    return restarts
 
 
-def preflight_job(launcher, overrides: list, idx: int) -> None:
+def preflight_job(launcher, overrides: list, idx: int) -> int:
     """Resolve job ``idx`` of the sweep as its tasks will, and preflight it; raises
-    ``ConfigError``."""
+    ``ConfigError``. Returns its ``distributed.max_restarts``."""
     from omegaconf import open_dict
 
     from automodel.cli import resolve_hydra_job
@@ -46,8 +49,9 @@ def preflight_job(launcher, overrides: list, idx: int) -> None:
     hc = cfg.hydra
     output_dir = str(Path(str(hc.sweep.dir)) / _job_subdir(cfg))
     env = submit_env(launcher.params["nodes"], launcher.params["tasks_per_node"])
-    preflight(resolve_hydra_job(cfg, hc, output_dir, multirun=True, env=env),
-              gpus=job_gpus(launcher.params))
+    job = resolve_hydra_job(cfg, hc, output_dir, multirun=True, env=env)
+    preflight(job, gpus=job_gpus(launcher.params))
+    return job.distributed.max_restarts
 
 
 def _job_subdir(cfg) -> str:
@@ -73,14 +77,15 @@ def job_gpus(params: dict):
     return params.get("gpus_per_task")
 
 
-def stock_parameters(params: dict) -> dict:
+def stock_parameters(params: dict, restarts: Sequence[int] = ()) -> dict:
     """The stock submitit launcher's parameters for automodel's (``hydra/launcher=slurm``):
-    ``requeue`` becomes the job script's lines and sbatch's flag
-    (``automodel.launch.slurm.requeue_parameters``), after the user's own setup lines."""
-    from automodel.launch.slurm import requeue_parameters
+    ``requeue`` and the jobs' ``distributed.max_restarts`` (``restarts``, one per job) become
+    the job script's lines and sbatch's flag
+    (``automodel.launch.slurm.job_script_parameters``), after the user's own setup lines."""
+    from automodel.launch.slurm import job_script_parameters
 
     stock = {k: v for k, v in params.items() if k != "requeue"}
-    extra = requeue_parameters(int(params.get("requeue") or 0))
+    extra = job_script_parameters(int(params.get("requeue") or 0), list(restarts))
     stock["setup"] = list(stock.get("setup") or []) + extra.get("setup", [])
     if "teardown" in extra:
         stock["teardown"] = extra["teardown"]

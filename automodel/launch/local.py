@@ -21,10 +21,12 @@ from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from automodel.config.build import ConfigError
 from automodel.config.launch_env import THREADS_ENV, rank_threads, usable_cpus
 from automodel.config.resolve import TrainConfig
 from automodel.errors import LaunchError, TrainingStopped
 from automodel.launch import failure, forkserver
+from automodel.launch.restarts import ALLOWED_ENV, check_outer_restarts
 from automodel.launch.signals import STOP_SIGNALS
 
 log = logging.getLogger(__name__)
@@ -149,6 +151,10 @@ def launch(cfg: TrainConfig):
     from automodel.models.builder import check_weights
 
     check_weights(cfg.model)  # (not in the preflight: plan.py takes a config.json alone)
+    if cfg.launch.external:  # (not in the preflight: at submit time no srun exists yet)
+        why = check_outer_restarts(cfg.distributed.max_restarts, cfg.launch.kind, os.environ)
+        if why is not None:
+            raise ConfigError(why)
     if runs_here(cfg):
         if cfg.launch.kind == "slurm":  # this srun task is one rank
             from automodel.launch.slurm import export_rank_environment
@@ -173,7 +179,7 @@ def _launch_local_ranks(cfg: TrainConfig, nproc: int) -> dict:
     try:
         return run_on_local_ranks(_rank_entry, nproc, cfg, channel,
                                   stop_grace_seconds=cfg.distributed.stop_grace_seconds,
-                                  max_restarts=cfg.distributed.max_restarts)
+                                  max_restarts=_local_restarts(cfg))
     except ChildFailedError as err:
         codes = {f.exitcode for f in err.failures.values()}
         if codes <= {128 + s for s in STOP_SIGNALS}:  # the ranks were signalled and saved
@@ -181,6 +187,12 @@ def _launch_local_ranks(cfg: TrainConfig, nproc: int) -> dict:
         raise LaunchError(_failure_message(err, channel)) from None
     except SignalException as err:  # this process was told to stop; its ranks saved
         raise _stopped(cfg, int(err.sigval)) from None
+
+
+def _local_restarts(cfg: TrainConfig) -> int:
+    """The local launcher's restarts: none where the srun function around it restarts the
+    whole step (``automodel.launch.restarts``), so that restarts do not multiply."""
+    return 0 if ALLOWED_ENV in os.environ else cfg.distributed.max_restarts
 
 
 def _stopped(cfg: TrainConfig, signum: int) -> TrainingStopped:

@@ -64,13 +64,19 @@ def requeue_parameters(times: int) -> dict:
     again, up to ``times`` times, when it fails: a rank or node lost, a step that raised. The
     teardown runs after srun only when srun ended by itself (a cancelled or preempted job never
     reaches it): srun failed and the job has been requeued fewer than ``times`` times, so it
-    requeues the job, which resumes from its last complete checkpoint. ``--requeue`` also lets
-    SLURM requeue the job itself when it declares a node failed. The job's exit code stays
-    srun's."""
+    requeues the job, which resumes from its last complete checkpoint (never after exit code 2,
+    a configuration error, nor after a stop signal's save, which the srun function of
+    ``automodel.launch.restarts`` reports; with ``distributed.max_restarts``, only after that
+    function's in-job restarts are spent). ``--requeue`` also lets SLURM
+    requeue the job itself when it declares a node failed. The job's exit code stays srun's."""
+    from automodel.launch.restarts import STOPPED_VAR
+
     if times <= 0:
         return {}
     requeue = (
-        'if [ "$automodel_rc" -ne 0 ] && [ "${SLURM_RESTART_COUNT:-0}" -lt "$AUTOMODEL_REQUEUE" ]'
+        'if [ "$automodel_rc" -ne 0 ] && [ "$automodel_rc" -ne 2 ]'
+        f' && [ -z "${STOPPED_VAR}" ]'
+        ' && [ "${SLURM_RESTART_COUNT:-0}" -lt "$AUTOMODEL_REQUEUE" ]'
         ' && scontrol -o show job "$SLURM_JOB_ID" | grep -q "JobState=RUNNING"; then'
         ' echo "automodel: srun ended with exit code $automodel_rc; requeueing SLURM job'
         ' $SLURM_JOB_ID (requeue $((${SLURM_RESTART_COUNT:-0} + 1)) of $AUTOMODEL_REQUEUE):'
@@ -81,11 +87,38 @@ def requeue_parameters(times: int) -> dict:
             "additional_parameters": {"requeue": True}}
 
 
+def job_script_parameters(requeue: int, restarts: list[int]) -> dict:
+    """submitit's ``setup``, ``teardown`` and ``additional_parameters`` for a job (or each job of
+    a sweep: ``restarts`` holds each one's ``distributed.max_restarts``): the srun function of
+    the in-job restarts (``automodel.launch.restarts``), then ``requeue_parameters``."""
+    from automodel.launch.restarts import job_script_lines
+
+    params = requeue_parameters(requeue)
+    lines = job_script_lines(restarts, requeue > 0)
+    if lines:
+        params["setup"] = params.get("setup", []) + lines
+    return params
+
+
 def requeue_follows() -> bool:
     """True in a task of a job that the teardown of ``requeue_parameters`` will requeue if it
     fails now (fewer requeues so far than allowed)."""
     allowed = int(os.environ.get(REQUEUE_ENV, 0) or 0)
     return int(os.environ.get("SLURM_RESTART_COUNT", 0) or 0) < allowed
+
+
+def next_run() -> str | None:
+    """What follows if this task's job step fails now: an in-job restart by the srun function
+    (``automodel.launch.restarts``), else a requeue; None when the job then ends."""
+    from automodel.launch.restarts import ALLOWED_ENV, ATTEMPT_ENV, restart_follows
+
+    if restart_follows():
+        attempt = int(os.environ.get(ATTEMPT_ENV) or 0) + 1
+        return (f"the job's ranks are started again (in-job restart {attempt} of "
+                f"{os.environ.get(ALLOWED_ENV)}) and resume from the last complete checkpoint")
+    if requeue_follows():
+        return "the job is requeued and resumes from its last complete checkpoint"
+    return None
 
 
 # SLURM's final states of a job that did not complete: a task killed in one of them writes no

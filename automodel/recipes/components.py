@@ -33,8 +33,9 @@ from automodel.distributed.materialize import (
 from automodel.distributed.megatron_meta_init import ModuleSource
 from automodel.distributed.mesh import MeshAxis
 from automodel.distributed.setup import DistributedSetup
-from automodel.faults import Faults, in_job_restart
+from automodel.faults import Faults
 from automodel.launch.failure import set_phase
+from automodel.launch.restarts import in_job_restart
 from automodel.models.builder import build_meta_model, build_model
 from automodel.optim import Optimizers, Schedulers
 from automodel.parallelize import ModelParts, parallelize

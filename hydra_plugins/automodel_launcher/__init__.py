@@ -37,8 +37,8 @@ class SlurmLauncher(SubmititSlurmLauncher):
         from automodel.launch.hydra_slurm import preflight_sweep, stock_parameters
         from automodel.launch.slurm import job_states_refreshed
 
-        preflight_sweep(self, job_overrides, initial_job_idx)
-        stock = SubmititSlurmLauncher(**stock_parameters(self.params))
+        restarts = preflight_sweep(self, job_overrides, initial_job_idx)
+        stock = SubmititSlurmLauncher(**stock_parameters(self.params, restarts))
         stock.setup(hydra_context=self.hydra_context, task_function=self.task_function,
                     config=self.config)
         with job_states_refreshed():  # (the stock launcher submits, then waits for the jobs)

@@ -207,6 +207,7 @@ def test_recipe_runs_in_miniature_on_two_nodes(script, recipe_jobs):
     assert saved == ["step_00000002", "step_00000003"]  # keep_last=2 of 1, 2 and 3
     hf = ckpts / "step_00000003" / "hf"
     assert (hf / "config.json").exists() and list(hf.glob("*.safetensors")), hf
+    assert not (ckpts / "step_00000002" / "hf").exists()  # (checkpoint.export_hf=final)
     if "data=files" in text:  # an image-text model: its processor beside the weights
         assert (hf / "processor_config.json").exists(), sorted(p.name for p in hf.iterdir())
     method = re.search(r"peft=(q?lora)", text)

@@ -16,7 +16,11 @@ def test_requeue_adds_the_job_script_lines_after_the_users_and_sbatch_requeue():
               "additional_parameters": {"mail-type": "END"}}
     stock = stock_parameters(params)
     assert "requeue" not in stock and params["requeue"] == 2  # (the input is left as it was)
-    assert stock["setup"] == ["export SLURM_KILL_BAD_EXIT=1", "export AUTOMODEL_REQUEUE=2"]
+    # the user's lines, the requeue's, then the srun function's (tests/launch/
+    # test_srun_restarts.py: it tells a stopped step from a failed one)
+    assert stock["setup"][:3] == ["export SLURM_KILL_BAD_EXIT=1", "export AUTOMODEL_REQUEUE=2",
+                                  "export AUTOMODEL_MAX_RESTARTS=0"]
+    assert stock["setup"][3].startswith("srun() {")
     assert stock["additional_parameters"] == {"mail-type": "END", "requeue": True}
     assert stock["teardown"][0] == "automodel_rc=$?"  # (srun's exit code, read first)
     assert stock["teardown"][-1] == 'exit "$automodel_rc"'

@@ -173,15 +173,23 @@ def test_a_failing_rank_names_its_root_cause(tmp_path):
                      out.stderr), out.stderr
 
 
-def test_requeue_is_bounded_and_a_job_failing_again_is_reported_failed(tmp_path):
-    """``--requeue 1`` and a rank that dies at step 3 of every run: the job script requeues the
-    job once; the requeued run (resumed from step 2) dies again, is not requeued a second
-    time, and ends FAILED (the job script keeps srun's exit code), named as before."""
+def _batch_log(folder) -> str:
+    """The job script's own output (its echo lines and srun's), across the job's runs."""
+    return "".join(p.read_text() for p in sorted(folder.glob(".submitit/*/*_0_log.err")))
+
+
+def test_requeue_is_bounded_comes_after_the_restarts_and_a_job_failing_again_fails(tmp_path):
+    """``--requeue 1``, ``distributed.max_restarts=1`` and a rank that dies at step 3 of every
+    run: in each SLURM run of the job the srun function starts the ranks again once (resumed
+    from step 2, dying again), and only then does the job script requeue the job, once; the
+    requeued run spends its restart too, is not requeued a second time, and ends FAILED (the
+    job script keeps srun's exit code), named as before."""
     out = tmp_path / "job"
     env = dict(os.environ, AUTOMODEL_FAULTS="kill@3:1")
     launcher = subprocess.Popen(LAUNCHER + ["--wait", "--tasks-per-node", "2", "--requeue", "1",
                                             "--output-dir", str(out), "checkpoint.every_steps=2",
-                                            "distributed.timeout_minutes=10"] + JOB,
+                                            "distributed.timeout_minutes=10",
+                                            "distributed.max_restarts=1"] + JOB,
                                 cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
     job_id = re.search(r"submitted SLURM job (\d+)", launcher.stdout.readline()).group(1)
@@ -190,6 +198,74 @@ def test_requeue_is_bounded_and_a_job_failing_again_is_reported_failed(tmp_path)
     assert launcher.returncode == 1, stderr
     assert re.search(r"SLURM job \d+ failed: rank 1 on localhost ended first \(Killed\)", stderr)
     assert _final_state(job_id) == ("FAILED", 1)
-    assert [r["step"] for r in _records(out / "metrics.jsonl")] == [1, 2]  # twice to step 2
+    assert [r["step"] for r in _records(out / "metrics.jsonl")] == [1, 2]  # 4 times to step 2
+    batch = _batch_log(out)
+    restarted = [m.start() for m in re.finditer(
+        r"starting the job's ranks again \(in-job restart 1 of distributed.max_restarts=1\)",
+        batch)]
+    requeued = batch.index(f"requeueing SLURM job {job_id} (requeue 1 of 1)")
+    assert len(restarted) == 2 and restarted[0] < requeued < restarted[1], batch
     log = (out / "train.log").read_text()
     assert re.search(r"SLURM requeued this job \(restart 1\): resuming", log), log
+    assert "(in-job restart 1 of distributed.max_restarts=1): resuming" in log
+
+
+def test_a_rank_killed_once_is_restarted_inside_the_allocation(uninterrupted, tmp_path):
+    """A Hydra sweep job with ``distributed.max_restarts=1`` (and a requeue it must not need):
+    rank 1 killed at step 3 of the first attempt only; srun starts the ranks again in the same
+    SLURM run, they resume from step 2's checkpoint, and the job completes with every step
+    once, the uninterrupted run's losses and gradient norms, and no requeue."""
+    sweep = tmp_path / "sweep"
+    out = run(["-m", "hydra/launcher=slurm", "hydra.launcher.tasks_per_node=2",
+               "hydra.launcher.requeue=1", f"hydra.sweep.dir={sweep}",
+               "distributed.max_restarts=1", "checkpoint.every_steps=2"] + JOB, tmp_path,
+              env_extra={"AUTOMODEL_FAULTS": "kill@3:1/0"})
+    assert out.returncode == 0, out.stderr
+    records = _records(sweep / "0" / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    assert [(r["loss"], r["grad_norm"]) for r in records] == \
+        [(r["loss"], r["grad_norm"]) for r in uninterrupted]
+    batch = _batch_log(sweep)
+    assert batch.count("starting the job's ranks again (in-job restart 1 of") == 1, batch
+    assert "requeueing" not in batch
+    assert "(in-job restart 1 of distributed.max_restarts=1): resuming from the latest" in \
+        (sweep / "0" / "train.log").read_text()
+    assert _final_state(sweep_job_id(sweep)) == ("COMPLETED", 0)
+
+
+def test_a_batch_script_restarts_a_failed_step_but_not_a_stopped_one(uninterrupted, tmp_path):
+    """A plain batch script (no submitit) that defines the srun function as docs/slurm.md says
+    and passes ``distributed.max_restarts=2`` on its srun line: rank 1 killed at step 3 of the
+    first attempt, the step runs again and resumes from step 2; then a user's SIGUSR1 to the
+    ranks: they save and stop, and although a restart is left the step is not run again. The
+    job ends with 138 (128 + SIGUSR1), every step once, the uninterrupted run's losses."""
+    out = tmp_path / "run"
+    python = ROOT / ".venv" / "bin" / "python"
+    script = tmp_path / "job.sbatch"
+    script.write_text("\n".join([
+        "#!/bin/bash", "#SBATCH --ntasks=2", "#SBATCH --partition=debug",
+        f"#SBATCH --output={tmp_path}/slurm.out", f"cd {ROOT}",
+        f'eval "$({python} -m automodel.launch.restarts)"',
+        f"srun {python} {ROOT / 'train.py'} hydra.run.dir={out} distributed.max_restarts=2 "
+        + " ".join(["checkpoint.every_steps=2"] + JOB)]) + "\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SUBMITIT_"))}
+    env["AUTOMODEL_FAULTS"] = "kill@3:1/0,sleep@0.2"
+    job_id = subprocess.run(["sbatch", "--parsable", str(script)], env=env, check=True,
+                            capture_output=True, text=True).stdout.strip().split(";")[0]
+    deadline = time.time() + 180
+    log = out / "train.log"
+    while time.time() < deadline and not (log.exists() and "in-job restart 1" in log.read_text()
+                                          and len(_records(out / "metrics.jsonl")) >= 5):
+        time.sleep(0.3)  # (poll: until the restarted step has logged step 5)
+    subprocess.run(["scancel", "--signal=USR1", job_id], check=True)
+    assert _final_state(job_id) == ("FAILED", 0)
+    exit_code = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True,
+                               text=True).stdout
+    assert re.search(r"\bExitCode=138:0", exit_code), exit_code
+    batch = (tmp_path / "slurm.out").read_text()
+    assert batch.count("starting the job's ranks again") == 1, batch
+    assert "(in-job restart 1 of distributed.max_restarts=2)" in batch
+    stop = re.search(r"stopped by SIGUSR1 after step (\d+); checkpoint saved", log.read_text())
+    records = _records(out / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(1, int(stop.group(1)) + 1))
+    assert [r["loss"] for r in records] == [r["loss"] for r in uninterrupted[:len(records)]]
