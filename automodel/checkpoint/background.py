@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, Sta
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from automodel.checkpoint.manager import _gather
+from automodel.compat import stop_checkpoint_writer
 from automodel.config.enums import AsyncMode
 from automodel.errors import CheckpointWriteError, describe
 
@@ -123,12 +124,15 @@ class BackgroundSaver:
                                        "kept, resume from it with checkpoint.resume=auto")
 
     def close(self) -> None:
-        """Wait for the save in flight, then free the stager's memory and the thread."""
+        """Wait for the save in flight, then free the stager's memory, the thread and (process
+        mode) DCP's writer process."""
         try:
             self.wait("the end of the run")
         finally:
             self.stager.close()
             self.executor.shutdown(wait=True)
+            if self.mode == AsyncMode.process:  # (DCP's writer process, its group and port)
+                stop_checkpoint_writer()
 
 
 class _AlreadyStaged(AsyncStager):

@@ -52,6 +52,7 @@ from automodel.compat.torch_dist import (
     new_gloo_options,
     set_all_group_timeouts,
     set_options_timeout,
+    stop_checkpoint_writer,
 )
 from automodel.compat.torch_memory import (
     FLIGHT_RECORDER_ENV,
@@ -117,7 +118,7 @@ __all__ = [
     "building_mesh_outside_this_rank", "can_set_attn_implementation", "causal_lm_class",
     "check_compat", "check_entries", "checkpoint_wrapper_api", "child_module",
     "computation_types", "csv_schedule", "defer_reduce_grad", "enable_symmetric_memory",
-    "flatten_mesh", "has_causal_lm", "input_embeddings",
+    "flatten_mesh", "has_causal_lm", "input_embeddings", "stop_checkpoint_writer",
     "direct_buffers", "direct_parameters", "enable_micro_pipeline_tp", "flatten_state_dict",
     "foreach_mul_", "foreach_norm", "get_parameter", "is_packed_sequence_patched",
     "keep_output_recording", "local_shape_and_offset", "local_tensor", "new_gloo_options",

@@ -9,6 +9,7 @@ import datetime
 from automodel.compat.core import Internal
 
 _C10D = "torch.distributed.distributed_c10d"
+_DCP_PROCESS = "torch.distributed.checkpoint._async_process_executor"
 
 
 def _gloo_options():
@@ -47,7 +48,24 @@ INTERNALS = [
     Internal("torch.distributed.checkpoint._nested_dict", "flatten_state_dict",
              "checkpoint save and resume (flat state keys)", patched=False,
              params=("state_dict",)),
+    Internal(_DCP_PROCESS, "_CHECKPOINT_PROCESS", "checkpoint.async_mode=process (its writer "
+             "process ended with the job)"),
+    Internal(_DCP_PROCESS, "_AsyncCheckpointProcess.__del__", "checkpoint.async_mode=process "
+             "(its writer process ended with the job)", patched=False, params=("self",)),
 ]
+
+
+def stop_checkpoint_writer() -> None:
+    """End the writer process that DCP's process-based async save starts once per rank and
+    otherwise keeps until the rank's interpreter exits, with its process group and its store
+    (a port open, on every interface, after the job; a process left behind in a long-lived
+    Python). Its own teardown asks it to stop, waits 5 s, then terminates it. No-op when none
+    was started."""
+    from torch.distributed.checkpoint import _async_process_executor as executor
+
+    process, executor._CHECKPOINT_PROCESS = executor._CHECKPOINT_PROCESS, None
+    if process is not None:
+        process.__del__()
 
 
 def set_all_group_timeouts(timeout: datetime.timedelta) -> None:

@@ -1,6 +1,7 @@
 """The rendezvous store of ranks started without torch's agent (SLURM tasks): rank 0 serves it
 on MASTER_ADDR's address alone, never on the wildcard address, and when the job ends no
-process of it listens on any port (store, gloo, DCP: nothing left open)."""
+process of it listens on any port (store, gloo, DCP and its writer process for
+``checkpoint.async_mode=process``: nothing left open, no process left running)."""
 
 import os
 import pickle
@@ -42,10 +43,24 @@ def _rank(rank, world, port, out, path):
     destroy_distributed()
     after_group = listening_sockets()
     cfg = load_config(BASE + ON_CPU + ["parallelism=fsdp2", "trainer.max_steps=2",
-                                       "checkpoint.every_steps=1"], out, env=dict(os.environ))
-    records = run_rank(cfg)  # a whole job: meshes, FSDP2, checkpoints
+                                       "checkpoint.every_steps=1",
+                                       "checkpoint.async_mode=process"],
+                      out, env=dict(os.environ))
+    records = run_rank(cfg)  # a whole job: meshes, FSDP2, checkpoints written by DCP's
+    # writer process (its own process group and store)
+    after_job = listening_sockets() + [f"child {pid}: {sock}" for pid in _children()
+                                       for sock in listening_sockets(pid)]
     with open(os.path.join(out, f"{rank}.pkl"), "wb") as f:
-        pickle.dump((during, after_group, listening_sockets(), records), f)
+        pickle.dump((during, after_group, after_job, _children(), records), f)
+
+
+def _children() -> list[str]:
+    """The pids of this process's live children."""
+    pids = []
+    for task in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{task}/children") as f:
+            pids += f.read().split()
+    return [p for p in pids if os.path.exists(f"/proc/{p}")]
 
 
 def _reserved_port() -> int:
@@ -73,11 +88,12 @@ def test_store_listens_on_master_addr_only_and_nothing_listens_after_the_job(tmp
     mp.start_processes(_rank, args=(2, port, str(tmp_path), list(sys.path)), nprocs=2,
                        join=True, start_method="spawn")
     results = [pickle.load(open(tmp_path / f"{r}.pkl", "rb")) for r in range(2)]
-    during, after_group, after_job, records = results[0]
+    during, after_group, after_job, _, records = results[0]
     assert f"127.0.0.1:{port}" in during, during  # rank 0 serves the store there
     wildcard = [a for a in during if a.rsplit(":", 1)[0] in ("0.0.0.0", "[::]")]
     assert not wildcard, f"listening on every interface: {during}"
-    for rank, (_, after_group, after_job, _) in enumerate(results):
+    for rank, (_, after_group, after_job, children, _) in enumerate(results):
         assert after_group == [], f"rank {rank} after destroy_distributed: {after_group}"
         assert after_job == [], f"rank {rank} after a whole job: {after_job}"
-    assert len(records) == 2 and results[1][3] is None
+        assert children == [], f"rank {rank}: processes left after the job: {children}"
+    assert len(records) == 2 and results[1][4] is None
