@@ -8,7 +8,8 @@ model allocated), cut down to a shape check:
 
 - the model cut to one decoder layer per pipeline stage, two at least where its layers
   differ (config keys that describe layers by index are cut to match, keeping each kind of
-  layer where there is room); stages the user placed by name keep the whole model;
+  layer where there is room); stages the user placed by name keep the whole model; an
+  image-text model's vision tower cut to two layers, or to the deepest one it reads;
 - one local batch of the job's shapes per rank (no gradient accumulation; under a pipeline,
   as many micro-batches of the job's size as its schedule needs at least);
 - one rank per kind of pipeline rank (the ranks of a stage hold equal shares, and ranks
@@ -129,27 +130,64 @@ def _step_or_refuse(fake_step, cfg: TrainConfig, rank_class, layers: int, layout
     """Refuse what fails inside the model's forward (a module's, or the causal LM's own):
     shapes and placements the model cannot take. A failure elsewhere (building the stages,
     the schedule, the optimizer on fake tensors) is the simulation's limit, not the job's:
-    it is logged, and the job starts unchecked."""
-    from automodel.compat.planning import needs_values
-    from automodel.planning.fake import ModuleFailed
+    it is logged, and the job starts unchecked.
 
+    An image-text model's vision tower is cut to a few layers first (``mm.tower_cut``: its
+    layers repeat, and a 24-layer tower took the step past its time bound); where the cut
+    tower fails otherwise than by reading tensor values, which the whole one would read too,
+    the step runs again with the whole tower, and that outcome counts."""
+    from automodel.models import multimodal as mm
+    from automodel.models.builder import hf_config
+
+    cut = mm.tower_cut(hf_config(cfg.model))
+    if cut is not None:
+        shallow = dataclasses.replace(cfg, model=dataclasses.replace(
+            cfg.model, config={**cfg.model.config, **cut}))
+        failure = _try_step(fake_step, shallow, rank_class)
+        if failure is None or _reads_values(failure):
+            return _judge(failure, layout, rank_class, layers, cfg)
+        log.info("preflight: the fake step with the vision tower cut to %d layers fails "
+                 "(%s: %s); stepping the whole tower", cut["vision_config"]["num_hidden_layers"],
+                 type(failure).__name__, str(failure).strip()[:300])
+    _judge(_try_step(fake_step, cfg, rank_class), layout, rank_class, layers, cfg)
+
+
+def _try_step(fake_step, cfg: TrainConfig, rank_class) -> Exception | None:
+    """Run the rank's fake step; its failure, or None (a ``ConfigError`` is raised)."""
     try:
         fake_step(cfg, rank_class.rank)
     except ConfigError:
         raise
-    except ModuleFailed as failed:
-        cause = _root_cause(failed.error)
-        if needs_values(cause):  # (fake tensors have no values: the simulation's limit)
-            log.warning("preflight: the fake step of %s cannot run %s: %s reads tensor values "
-                        "(%s); the job starts without this check", layout, rank_class.name,
-                        failed.module, type(cause).__name__)
-            return
-        raise ConfigError(_refusal(cfg, layout, rank_class, layers, failed.module,
-                                   cause)) from None
     except Exception as err:
+        return err
+    return None
+
+
+def _reads_values(failure: Exception) -> bool:
+    from automodel.compat.planning import needs_values
+    from automodel.planning.fake import ModuleFailed
+
+    return isinstance(failure, ModuleFailed) and needs_values(_root_cause(failure.error))
+
+
+def _judge(failure: Exception | None, layout: str, rank_class, layers: int,
+           cfg: TrainConfig) -> None:
+    """Refuse a failure in the model's forward, log any other (see ``_step_or_refuse``)."""
+    from automodel.planning.fake import ModuleFailed
+
+    if failure is None:
+        return
+    if _reads_values(failure):  # (fake tensors have no values: the simulation's limit)
+        log.warning("preflight: the fake step of %s cannot run %s: %s reads tensor values "
+                    "(%s); the job starts without this check", layout, rank_class.name,
+                    failure.module, type(_root_cause(failure.error)).__name__)
+    elif isinstance(failure, ModuleFailed):
+        raise ConfigError(_refusal(cfg, layout, rank_class, layers, failure.module,
+                                   _root_cause(failure.error))) from None
+    else:
         log.warning("preflight: the fake step of %s could not run %s outside the model's "
                     "forward (%s: %s); the job starts without this check", layout,
-                    rank_class.name, type(err).__name__, str(err).strip()[:300])
+                    rank_class.name, type(failure).__name__, str(failure).strip()[:300])
 
 
 def _root_cause(err: BaseException) -> BaseException:
@@ -203,8 +241,9 @@ def cut_down(cfg: TrainConfig) -> tuple[TrainConfig, int]:
         layers = min(total, max(stage_count(cfg), 2 if layers_differ(text) else 1))
     changes = {}
     if layers < total:
-        changes["model"] = dataclasses.replace(cfg.model, config={
-            **cfg.model.config, **_per_layer_keys(text, layers), "num_hidden_layers": layers})
+        cut = mm.text_overrides(hf_config(cfg.model), {**_per_layer_keys(text, layers),
+                                                       "num_hidden_layers": layers})
+        changes["model"] = dataclasses.replace(cfg.model, config={**cfg.model.config, **cut})
         try:
             hf_config(changes["model"])
         except Exception as err:  # (a family whose other keys count layers: Dory's sections)
@@ -276,11 +315,15 @@ def _quiet():
 # modules whose code holds locks a raise in its midst could leave held (logging's module
 # lock: every later log call of the process would wait for it forever)
 _NO_RAISE_IN = ("logging", "threading", "importlib", "warnings", "queue", "weakref")
+# nor while the fake world's default process group is made or destroyed (a raise there would
+# leave a group behind in this process, and the next preflight would find it)
+_NO_RAISE_IN_MODULES = ("torch.distributed.distributed_c10d",)
 
 
 def _inside_lock_holders(frame) -> bool:
     while frame is not None:
-        if frame.f_globals.get("__name__", "").split(".")[0] in _NO_RAISE_IN:
+        name = frame.f_globals.get("__name__", "")
+        if name.split(".")[0] in _NO_RAISE_IN or name in _NO_RAISE_IN_MODULES:
             return True
         frame = frame.f_back
     return False

@@ -25,6 +25,34 @@ def is_image_text(config) -> bool:
     return getattr(config, "vision_config", None) is not None
 
 
+def text_overrides(config, keys: dict) -> dict:
+    """``model.config`` entries that set ``keys`` on the language model's config: the keys
+    themselves for a text model; for an image-text model its whole ``text_config`` with them
+    (a composite config ignores text keys given at its top level)."""
+    text = text_config(config)
+    if text is config:
+        return dict(keys)
+    return {"text_config": {**text.to_dict(), **keys}}
+
+
+def tower_cut(config, layers: int = 2) -> dict | None:
+    """``model.config`` entries that cut the vision tower to ``layers`` encoder layers (more
+    where ``vision_feature_layer`` reads a deeper one), or None where the tower is not cut:
+    no tower, no ``num_hidden_layers`` in its config, or as shallow already."""
+    vision = getattr(config, "vision_config", None)
+    total = getattr(vision, "num_hidden_layers", None)
+    if not isinstance(total, int):
+        return None
+    read = getattr(config, "vision_feature_layer", None)
+    read = read if isinstance(read, (list, tuple)) else [] if read is None else [read]
+    if not all(isinstance(i, int) for i in read):
+        return None
+    keep = max([layers] + [-i if i < 0 else i for i in read])
+    if keep >= total:
+        return None
+    return {"vision_config": {**vision.to_dict(), "num_hidden_layers": keep}}
+
+
 def auto_class(config):
     """The transformers auto class that builds this config's model for training."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText

@@ -78,11 +78,12 @@ def fake_world(world_size: int, rank: int):
     """A fake default process group: this process is ``rank`` of ``world_size``."""
     if dist.is_initialized():
         raise RuntimeError("simulate_rank needs a process without a process group")
-    dist.init_process_group("fake", store=fake_store(), rank=rank, world_size=world_size)
-    try:
+    try:  # (an interruption inside init_process_group too leaves no group behind)
+        dist.init_process_group("fake", store=fake_store(), rank=rank, world_size=world_size)
         yield
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
         forget_meshes()  # (the next simulation in this process builds meshes of its own)
 
 

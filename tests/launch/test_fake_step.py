@@ -111,6 +111,12 @@ def test_the_bound_never_ends_the_step_inside_a_lock_holder(monkeypatch):
     monkeypatch.setattr(signal, "setitimer", lambda which, seconds: rearmed.append(seconds))
     fake_step._expire(signal.SIGALRM, frames["in logging"])  # deferred, not raised
     assert rearmed == [0.02]
+    # nor inside c10d, which makes and destroys the fake world's group (a raise there left a
+    # group behind: the next preflight found it, 2 runs in 16)
+    c10d = {"__name__": "torch.distributed.distributed_c10d"}
+    exec("import sys\nframe = sys._getframe()", c10d)  # (a frame running in c10d's globals)
+    fake_step._expire(signal.SIGALRM, c10d["frame"])
+    assert rearmed == [0.02, 0.02]
     with pytest.raises(fake_step._OutOfTime):
         fake_step._expire(signal.SIGALRM, sys._getframe())
 
@@ -201,3 +207,45 @@ def test_a_family_that_fails_with_cast_weights_is_refused_under_the_default_prec
     with caplog.at_level(logging.INFO, logger="automodel.launch.fake_step"):
         preflight(_cfg(*gpt1, FP32))  # float32 weights: nothing to check, not stepped
     assert "on fake tensors" not in caplog.text
+
+
+def test_an_image_text_model_is_cut_in_its_text_config_and_its_tower():
+    """A composite config ignores text keys at its top level (the language model kept all of
+    its layers: LLaVA-NeXT-72B's fake step ran 80 and hit the time bound): the cut goes into
+    ``text_config``; the tower is cut to two layers, or to the deepest one it reads."""
+    from automodel.models import multimodal as mm
+    from automodel.models.builder import hf_config
+
+    cfg = _cfg("model=llava_tiny", "pipeline=1f1b", "mesh.pp_size=2",
+               "model.config.vision_config.num_hidden_layers=6")
+    cut, layers = fake_step.cut_down(cfg)
+    assert layers == 2 and mm.text_config(hf_config(cut.model)).num_hidden_layers == 2
+    config = hf_config(cut.model)
+    assert config.text_config.hidden_size == 64  # (the rest of the text config kept)
+    tower = mm.tower_cut(config)
+    assert tower["vision_config"]["num_hidden_layers"] == 2
+    assert tower["vision_config"]["hidden_size"] == 32
+    config.vision_feature_layer = [-5, 3]
+    assert mm.tower_cut(config)["vision_config"]["num_hidden_layers"] == 5
+    config.vision_feature_layer = -6
+    assert mm.tower_cut(config) is None  # (it reads the first layer's input: all 6 kept)
+    assert mm.tower_cut(mm.text_config(config)) is None  # (no tower)
+
+
+def test_a_tower_that_fails_once_cut_is_stepped_whole(monkeypatch, caplog):
+    """Where the cut tower fails (here a cut to one layer while the model reads the input of
+    the second-to-last of its two: an index past the cut tower's hidden states), the fake
+    step runs again with the whole tower, which passes: a cut never refuses a layout that
+    trains, nor leaves it unchecked."""
+    from automodel.models import multimodal as mm
+
+    def bad_cut(config, layers=2):
+        return {"vision_config": {**config.vision_config.to_dict(), "num_hidden_layers": 1}}
+
+    monkeypatch.setattr(mm, "tower_cut", bad_cut)
+    with caplog.at_level(logging.INFO, logger="automodel.launch.fake_step"):
+        preflight(_cfg("model=llava_tiny", "mesh.tp_size=2",
+                       "model.config.vision_feature_layer=-3"))
+    assert "with the vision tower cut to 1 layers fails (" in caplog.text
+    assert "stepping the whole tower" in caplog.text and "WARNING" not in caplog.text
+    assert "one step of parallelism=fsdp2 pipeline=none tp 2 on fake tensors" in caplog.text
