@@ -114,6 +114,16 @@ def rank_report(log_folder: Path, job_id: str, first: str = "") -> str:
     return found[(causes or sorted(found))[0]] if found else ""
 
 
+def _request_problem(args) -> str | None:
+    """Why the request of these flags can never start on its partition, or None."""
+    from automodel.launch.slurm_request import Request, check_request
+
+    return check_request(Request(
+        args.nodes, args.tasks_per_node, args.cpus_per_task, args.time_min, args.partition,
+        {"nodes": "--nodes", "tasks_per_node": "--tasks-per-node",
+         "cpus_per_task": "--cpus-per-task", "minutes": "--time-min"}))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m launchers.slurm", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -138,6 +148,11 @@ def main(argv: list[str] | None = None) -> int:
     from automodel.config.build import ConfigError
     from automodel.launch.slurm import job_script_parameters, job_states_refreshed, submit_env
 
+    problem = _request_problem(args)
+    if problem is not None:
+        print(f"automodel: configuration error:\n{problem}; nothing was submitted",
+              file=sys.stderr)
+        return 2
     output_dir = str(Path(args.output_dir or Path("outputs") / "slurm" /
                           datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")).absolute())
     try:  # the whole preflight, against the world the job will have, before submitting

@@ -16,6 +16,22 @@ from pathlib import Path
 from typing import Sequence
 
 
+def check_slurm_request(params: dict) -> None:
+    """Exit 2, before anything is submitted, when the jobs' request can never start on their
+    partition (``automodel.launch.slurm_request``)."""
+    from automodel.launch.slurm_request import Request, check_request
+
+    keys = {k: f"hydra.launcher.{k}" for k in ("nodes", "tasks_per_node", "cpus_per_task")}
+    problem = check_request(Request(
+        int(params.get("nodes") or 1), int(params.get("tasks_per_node") or 1),
+        int(params.get("cpus_per_task") or 1), params.get("timeout_min"),
+        params.get("partition"), {**keys, "minutes": "hydra.launcher.timeout_min"}))
+    if problem is not None:
+        print(f"automodel: configuration error:\n{problem}; nothing was submitted",
+              file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
 def preflight_sweep(launcher, job_overrides: Sequence[Sequence[str]],
                     initial_job_idx: int) -> list[int]:
     """Preflight every job ``launcher`` (a submitit ``SlurmLauncher``, set up by Hydra) is

@@ -149,15 +149,24 @@ def job_states_refreshed(every_s: float = 10.0):
     seconds (one ``sacct`` for all of them). submitit's own checks back off to half the time
     since the last submission, up to 10 minutes, so a job that failed after an hour was seen
     up to 10 minutes late (a job that succeeds is seen at once: its result files). A job that
-    failed is reported without submitit's 15 s wait for its result files (``_ResultWait``)."""
+    failed is reported without submitit's 15 s wait for its result files (``_ResultWait``).
+    A job that SLURM holds for a reason that never passes (``slurm_request.NEVER_REASONS``)
+    is named, with the reason, and cancelled."""
     from submitit.slurm.slurm import SlurmJob
 
-    done = threading.Event()
+    from automodel.launch.slurm_request import cancel_jobs_that_never_start
+
+    done, reported = threading.Event(), set()
 
     def refresh():
-        while not done.wait(every_s):
+        first = True  # (at once, then every every_s: a job that can never start is named
+        while first or not done.wait(every_s):  # within seconds of its submission)
+            first = False
             try:
-                SlurmJob.watcher.update()
+                watcher = SlurmJob.watcher
+                watcher.update()
+                cancel_jobs_that_never_start(
+                    sorted(watcher._registered - watcher._finished), reported)
             except Exception as err:  # (the next wait, or submitit's own check, tries again)
                 log.debug("refreshing the SLURM job states failed: %s", err)
 

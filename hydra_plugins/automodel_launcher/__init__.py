@@ -34,9 +34,14 @@ class SlurmLauncher(SubmititSlurmLauncher):
     this module)."""
 
     def launch(self, job_overrides, initial_job_idx):
-        from automodel.launch.hydra_slurm import preflight_sweep, stock_parameters
+        from automodel.launch.hydra_slurm import (
+            check_slurm_request,
+            preflight_sweep,
+            stock_parameters,
+        )
         from automodel.launch.slurm import job_states_refreshed
 
+        check_slurm_request(self.params)
         restarts = preflight_sweep(self, job_overrides, initial_job_idx)
         stock = SubmititSlurmLauncher(**stock_parameters(self.params, restarts))
         stock.setup(hydra_context=self.hydra_context, task_function=self.task_function,

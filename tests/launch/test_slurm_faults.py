@@ -269,3 +269,42 @@ def test_a_batch_script_restarts_a_failed_step_but_not_a_stopped_one(uninterrupt
     records = _records(out / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(1, int(stop.group(1)) + 1))
     assert [r["loss"] for r in records] == [r["loss"] for r in uninterrupted[:len(records)]]
+
+
+def test_a_request_that_can_never_start_is_refused_or_cancelled_with_its_reason(tmp_path,
+                                                                               capfd):
+    """Two nodes on partition debug (one node): refused before anything is submitted, naming
+    the key, the partition's size and the partition where it fits. A job SLURM holds for a
+    reason that never passes (here submitted by plain sbatch, 3 nodes of partition two's 2:
+    PartitionNodeLimit) is named with its reason and cancelled by the waiting launcher's
+    watcher, within seconds."""
+    sweep = run(["-m", "hydra/launcher=slurm", "hydra.launcher.nodes=2",
+                 f"hydra.sweep.dir={tmp_path}/sweep"] + JOB, tmp_path)
+    assert sweep.returncode == 2, sweep.stderr
+    assert "hydra.launcher.nodes=2, but partition debug has 1 node" in sweep.stderr
+    assert "a partition where it fits: two" in sweep.stderr
+    assert not (tmp_path / "sweep" / ".submitit").exists()  # (nothing submitted)
+
+    from submitit.slurm.slurm import SlurmJob
+
+    from automodel.launch.slurm import job_states_refreshed
+
+    job_id = subprocess.run(["sbatch", "--parsable", "--partition=two", "--nodes=3",
+                             "--wrap", "true"], capture_output=True, text=True, check=True,
+                            cwd=tmp_path).stdout.strip().split(";")[0]
+    watcher = SlurmJob.watcher
+    watcher.register_job(job_id)
+    try:
+        with job_states_refreshed(every_s=0.2):
+            deadline = time.time() + 60
+            while time.time() < deadline and _state(job_id)[0] == "PENDING":
+                time.sleep(0.3)  # (poll: until the watcher cancels the job)
+    finally:
+        watcher._registered.discard(job_id)
+        subprocess.run(["scancel", job_id])
+    assert _final_state(job_id)[0] == "CANCELLED"
+    err = capfd.readouterr().err
+    # (SLURM's first reason, PartitionNodeLimit, becomes PartitionConfig at its next pass)
+    assert re.search(rf"SLURM job {job_id} can never start \(reason Partition(NodeLimit|Config)",
+                     err), err
+    assert "NumNodes=3" in err and "Partition=two" in err
