@@ -113,6 +113,35 @@ def _named_by_time(hc, multirun: bool, env=None) -> bool:
     return "${now:" in str(template)
 
 
+def _auto_layout(train_cfg, hc):
+    """``layout=auto``: the job on the layout the search chose, its config written as the
+    run's own (``.hydra/config.yaml``, ``overrides.yaml``: a rerun without the search is the
+    same job)."""
+    from hydra.types import RunMode
+    from omegaconf import OmegaConf
+
+    from automodel.api import compose
+    from automodel.launch.auto_layout import choose_layout
+
+    def compose_and_resolve(overrides: list[str]):
+        from automodel.config.resolve import resolve
+
+        composed, multirun = compose(overrides), hc.mode == RunMode.MULTIRUN
+        job = resolve(composed, output_dir=hc.runtime.output_dir,
+                      choices=dict(composed.hydra.runtime.choices), overrides=list(overrides),
+                      sweep_dir=str(hc.sweep.dir) if multirun else None,
+                      output_named_by_time=_named_by_time(hc, multirun))
+        saved = os.path.join(hc.runtime.output_dir, str(hc.output_subdir or ""))
+        if hc.output_subdir is not None and os.path.isdir(saved):
+            with open(os.path.join(saved, "config.yaml"), "w") as f:
+                f.write(OmegaConf.to_yaml({k: composed[k] for k in composed if k != "hydra"}))
+            with open(os.path.join(saved, "overrides.yaml"), "w") as f:
+                f.write(OmegaConf.to_yaml(list(overrides)))
+        return job
+
+    return choose_layout(train_cfg, compose_and_resolve)
+
+
 def _run_job(cfg, hc):
     from hydra.types import RunMode
 
@@ -121,6 +150,8 @@ def _run_job(cfg, hc):
     with without_collections():  # (start-up: the imports of torch and transformers)
         train_cfg = resolve_hydra_job(cfg, hc, hc.runtime.output_dir,
                                       hc.mode == RunMode.MULTIRUN)
+        if train_cfg.layout_mode == "auto":  # (the search, before any rank starts)
+            train_cfg = _auto_layout(train_cfg, hc)
         from automodel.launch.preflight import preflight  # (its checks import torch)
 
         preflight(train_cfg)

@@ -72,6 +72,7 @@ class TrainConfig:
     output_dir: str = "."
     experiment: Optional[str] = None  # names a folder shared by its submissions (checkpoints)
     sweep_dir: Optional[str] = None  # the multirun's directory when this job is one of a sweep
+    layout_mode: str = "manual"  # layout=: manual | auto (launch/auto_layout.py chooses it)
     choices: Dict[str, Any] = field(default_factory=dict)  # hydra.runtime.choices
     overrides: List[str] = field(default_factory=list)
     resolved: Dict[str, Any] = field(default_factory=dict)  # the composed config, plain
@@ -84,6 +85,17 @@ class TrainConfig:
     def grad_accum_steps(self) -> int:
         return self.layout.grad_accum_steps(self.trainer.global_batch_size,
                                             self.trainer.local_batch_size)
+
+
+LAYOUT_MODES = ("manual", "auto")
+
+
+def _layout_mode(plain: dict) -> str:
+    mode = str(plain.get("layout") or "manual")
+    if mode not in LAYOUT_MODES:
+        raise ConfigError(f"layout={mode!r}: allowed: {', '.join(LAYOUT_MODES)} (auto: the "
+                          "planner chooses the layout for the job's GPUs)")
+    return mode
 
 
 def _user_model_config_keys(overrides: list) -> set:
@@ -117,7 +129,7 @@ def _plain_nodes(cfg) -> dict:
     from omegaconf.errors import MissingMandatoryValue
 
     expected = {"mesh", "distributed", "trainer", "parallelism", "pipeline", "model", "data",
-                "optim", "logger", "checkpoint", "experiment", "peft"}
+                "optim", "logger", "checkpoint", "experiment", "peft", "layout"}
     extra = sorted(set(cfg.keys()) - expected - {"hydra"})
     if extra:
         raise ConfigError(f"unknown top-level key(s) {extra}; allowed: {sorted(expected)}")
@@ -188,6 +200,7 @@ def resolve(cfg, env: Optional[Mapping[str, str]] = None, output_dir: str = ".",
     checkpoint = check_checkpoint(checkpoint)
     peft = check_peft(build(s.PeftConfig, plain.get("peft"), "peft"), strategy, layout)
     experiment = plain.get("experiment")
+    layout_mode = _layout_mode(plain)
     checkpoint = resolve_checkpoint(checkpoint, experiment, output_dir, sweep_dir,
                                     output_named_by_time)
     if launch.kind == "local":
@@ -201,7 +214,7 @@ def resolve(cfg, env: Optional[Mapping[str, str]] = None, output_dir: str = ".",
         distributed=distributed, model=model, data_source=source.name, data=data,
         optim=optim, trainer=trainer,
         launch=launch, logger=logger, checkpoint=checkpoint, peft=peft, output_dir=output_dir,
-        experiment=experiment, sweep_dir=sweep_dir,
+        experiment=experiment, sweep_dir=sweep_dir, layout_mode=layout_mode,
         choices=dict(choices or {}),
         overrides=list(overrides or []), resolved=plain)
 

@@ -256,19 +256,41 @@ def run_search(train, gpu: GpuProfile, plan_cfg, out: str) -> list[dict]:
 
     if plan_cfg.gpus is None:
         raise ConfigError("plan.search=true needs plan.gpus=<GPUs of the job>")
+    result = search_layouts(train, gpu, plan_cfg)
+    write_search(result, out)
+    print(search_summary(result))
+    return result["top"]
+
+
+def write_search(result: dict, out: str) -> str:
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, "search.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    return path
+
+
+def search_layouts(train, gpu: GpuProfile, plan_cfg, keep=None, base=None) -> dict:
+    """The search of ``plan_cfg.gpus`` GPUs for ``train``'s job: the fastest layouts that fit
+    (``top``), the fastest planned in full (``best_planned``), and where none fits the nearest
+    misses (``nearest_misses``). ``keep``: which candidates may be chosen (the bounds of
+    ``layout=auto``); ``base``: the job's own overrides (default: ``train``'s, without the
+    layout keys)."""
+    from automodel.config.build import ConfigError
+
     model = model_facts(train)
     t = train.trainer
     job = {"global_batch": t.global_batch_size, "seq_len": t.seq_len,
            "activation_bytes": 2 if train.mp_policy is not None else 4}
-    found = candidates(plan_cfg.gpus, gpu.gpus_per_node, model, t.global_batch_size,
-                       t.seq_len)
+    found = [c for c in candidates(plan_cfg.gpus, gpu.gpus_per_node, model,
+                                   t.global_batch_size, t.seq_len) if keep is None or keep(c)]
     if not found:
         raise ConfigError(f"no layout of {plan_cfg.gpus} GPUs takes trainer.global_batch_size="
-                          f"{t.global_batch_size}: choose a batch that the data-parallel "
-                          "degrees divide")
+                          f"{t.global_batch_size}" + (" within the keys set" if keep else "")
+                          + ": choose a batch that the data-parallel degrees divide")
     probed = _probe_and_estimate(train, found, model, job, gpu, plan_cfg)
     fitting = sorted((e for e in probed.estimates if e["fits"]), key=_rank_key)
-    base = _base_overrides(train)
+    base = _base_overrides(train) if base is None else base
     refused, best = _confirm_fastest(base, fitting, gpu, plan_cfg)
     top = [e for e in fitting if all(e is not r for r in refused)][:plan_cfg.top]
     for e in top + refused:
@@ -279,11 +301,11 @@ def run_search(train, gpu: GpuProfile, plan_cfg, out: str) -> list[dict]:
               "probes": {key.name: dataclasses.asdict(c) for key, c in probed.costs.items()}}
     if best is not None:
         result["best_planned"] = best["planned"]
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "search.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    print(search_summary(result))
-    return result["top"]
+    if not fitting:
+        from automodel.planning.misses import nearest_misses
+
+        result["nearest_misses"] = nearest_misses(probed.estimates, gpu)
+    return result
 
 
 CONFIRM_TRIES = 3  # estimates planned in full, fastest first, until one fits

@@ -1,0 +1,223 @@
+"""``layout=auto``: the planner's search chooses the job's layout for the GPUs (or CPU ranks) it
+runs on, once, before any rank starts, and the job trains on it.
+
+- **Size**: the job's world as launching resolves it (``distributed.nproc_per_node``, else the
+  local GPUs; one node). Ranks that an outer launcher started (torchrun, a plain srun) would
+  each search alone: refused, naming the launches that search once.
+- **Bounds**: the layout keys the user set (``mesh.tp_size=2``, ``pipeline=1f1b``, the
+  checkpointing mode, the micro-batch) keep only the layouts that agree; with every one set
+  there is nothing to choose, and ``layout=auto`` is refused as a conflict.
+- **Profile**: the local GPUs' (``nvidia-smi``: name and memory), else the CPU ranks' own
+  (``cpu_profile``: the host's memory shared by the ranks; speeds are rough, only their order
+  matters).
+- **Result**: the fastest layout that fits, printed with its command line; ``search.json`` and
+  ``plan.json`` beside the run; the run's config (``.hydra/config.yaml``) is the chosen
+  layout's, so a rerun without ``auto`` is the same job. No layout fits: refused before launch,
+  with the three nearest misses and what each lacks.
+- **Cache**: a search of the same model, shapes, precision, adapters, bounds and GPUs is
+  reused (``$AUTOMODEL_CACHE/layout/``, else ``~/.cache/automodel/layout/``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import subprocess
+from pathlib import Path
+
+from automodel.config.build import ConfigError
+from automodel.config.resolve import TrainConfig
+
+log = logging.getLogger("automodel")
+
+SCHEDULES = ("none", "1f1b", "interleaved")  # the pipelines a search tries
+# the keys that fix the whole layout: with all of them set, layout=auto has nothing to choose
+FIXING = ("tp", "pp", "dp", "schedule", "ac", "mbs")
+
+
+def bounds_of(overrides: list[str]) -> dict:
+    """{dimension: value} of the layout keys among ``overrides`` (the searched dimensions:
+    tp, pp, cp, ep, dp, dp_replicate, schedule, ac, mbs, sp)."""
+    from automodel.config.enums import ACMode
+
+    names = {"mesh.tp_size": "tp", "mesh.pp_size": "pp", "mesh.cp_size": "cp",
+             "mesh.ep_size": "ep", "mesh.dp_size": "dp", "mesh.dp_replicate_size":
+             "dp_replicate", "trainer.local_batch_size": "mbs",
+             "pipeline.pp_microbatch_size": "mbs"}
+    bounds: dict = {}
+    for o in overrides:
+        key, _, value = o.lstrip("+").partition("=")
+        if key in names and value not in ("null", ""):
+            bounds[names[key]] = int(value)
+        elif key == "pipeline":
+            if value not in SCHEDULES:
+                raise ConfigError(f"layout=auto chooses among pipeline={', '.join(SCHEDULES)}; "
+                                  f"pipeline={value} is not one of them: drop it, or set the "
+                                  "layout yourself (drop layout=auto)")
+            bounds["schedule"] = value
+        elif key == "parallelism.activation_checkpointing":
+            word = {"false": False, "null": False, "true": True}.get(value.lower(), value)
+            bounds["ac"] = ACMode.parse(key, word).value
+        elif key == "parallelism.sequence_parallel":
+            bounds["sp"] = value.lower() == "true"
+    return bounds
+
+
+def allows(bounds: dict):
+    """The test a candidate layout passes when it agrees with ``bounds``."""
+    def keep(c) -> bool:
+        have = {"tp": c.tp, "pp": c.pp, "cp": c.cp, "ep": c.ep, "dp_replicate": c.dp_replicate,
+                "dp": c.dp_replicate * c.dp_shard, "schedule": c.schedule, "ac": c.ac,
+                "mbs": c.mbs, "sp": c.sp and c.tp > 1}
+        return all(have[k] == v for k, v in bounds.items() if not (k == "sp" and c.tp == 1))
+    return keep
+
+
+def check_bounds(bounds: dict, keys: list[str]) -> None:
+    if all(k in bounds for k in FIXING):
+        raise ConfigError(f"layout=auto with the whole layout set ({' '.join(keys)}): the search "
+                          "has nothing to choose. Drop layout=auto to train this layout, or drop "
+                          "the keys the search should choose")
+
+
+def cpu_profile(ranks: int):
+    """The profile of CPU ranks: the host's memory shared by them, one node; rough speeds."""
+    from automodel.planning.gpus import GiB, GpuProfile
+
+    return GpuProfile("cpu", peak_bf16_flops=1e11, hbm_bytes=_host_memory() // ranks,
+                      hbm_bandwidth=2e10, intra_node_bandwidth=2e9, inter_node_bandwidth=1e9,
+                      gpus_per_node=ranks, compute_efficiency=0.5, overhead_bytes=GiB // 2)
+
+
+def _host_memory() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    raise ConfigError("layout=auto on CPU ranks needs /proc/meminfo (the host's memory)")
+
+
+GPU_PROFILES = (("H200", "h200"), ("H100", "h100_80gb"), ("A100", "a100_80gb"),
+                ("B200", "b200"))
+
+
+def gpu_profile(ranks: int):
+    """The local GPUs' profile, from ``nvidia-smi``'s name and memory."""
+    from automodel.planning.gpus import MiB, profile
+
+    out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total",
+                          "--format=csv,noheader,nounits"], capture_output=True, text=True)
+    name, _, memory = out.stdout.splitlines()[0].partition(",")
+    for part, known in GPU_PROFILES:
+        if part in name:
+            return profile(known, hbm_bytes=int(memory) * MiB, gpus_per_node=ranks)
+    raise ConfigError(f"layout=auto: no planner profile for the local GPU {name.strip()!r} "
+                      f"(profiles: {', '.join(k for _, k in GPU_PROFILES)}); plan it with "
+                      "plan.py plan.gpu=<profile> plan.gpu_spec... and set the layout yourself")
+
+
+def choose_layout(cfg: TrainConfig, compose_and_resolve) -> TrainConfig:
+    """``cfg`` (``layout=auto``) on the layout the search chooses: ``compose_and_resolve``
+    turns a list of overrides into the job's ``TrainConfig`` (its output directory and
+    environment kept)."""
+    from automodel.planning.cli import without_keys
+    from automodel.planning.probes import LAYOUT_KEYS
+
+    if cfg.launch.external:
+        raise ConfigError(f"layout=auto under {cfg.launch.kind}: each rank would search alone. "
+                          "The search runs once, before the ranks start: launch with python "
+                          "train.py (local ranks), hydra/launcher=slurm or python -m "
+                          "launchers.slurm; or plan.py plan.search=true and set the layout")
+    keys = [o for o in cfg.overrides if o not in without_keys(cfg.overrides, LAYOUT_KEYS)]
+    bounds = bounds_of(keys)
+    check_bounds(bounds, keys)
+    world = cfg.layout.world_size
+    base = [o for o in without_keys(cfg.overrides, LAYOUT_KEYS)
+            if not o.lstrip("+").startswith(("layout=", "distributed.nproc_per_node="))]
+    base += [f"distributed.nproc_per_node={world}"] if world > 1 else []
+    result = _search(cfg, base, bounds, world)
+    chosen = _chosen(result, world)
+    job = compose_and_resolve(base + chosen["overrides"])
+    _write(job, result, chosen)
+    return job
+
+
+def _search(cfg: TrainConfig, base: list[str], bounds: dict, world: int) -> dict:
+    """The search's result, from the cache when the same search ran before."""
+    from automodel.config.plan_schema import PlanConfig
+    from automodel.planning.search import _resolve, search_layouts
+
+    gpu = gpu_profile(world) if cfg.launch.gpus else cpu_profile(world)
+    key = hashlib.sha256(json.dumps({
+        "model": dataclasses.asdict(cfg.model), "seq_len": cfg.trainer.seq_len,
+        "batch": cfg.trainer.global_batch_size, "mp": str(cfg.mp_policy),
+        "peft": dataclasses.asdict(cfg.peft), "strategy": cfg.strategy.name,
+        "gpu": gpu.as_dict(), "world": world, "bounds": bounds}, sort_keys=True,
+        default=str).encode()).hexdigest()[:16]
+    path = _cache_dir() / f"{key}.json"
+    if path.exists():
+        log.info("layout=auto: the search of this model, shapes and %d %s ranks ran before: "
+                 "reusing %s", world, gpu.name, path)
+        return json.loads(path.read_text())
+    from automodel.planning.cli import start_simulation_server
+
+    train = _resolve([o for o in base if not o.startswith("distributed.nproc_per_node=")]
+                     + ["mesh.dp_size=1", "layout=manual"])
+    from omegaconf import OmegaConf
+
+    # (the probes' workers, and later the ranks, fork from it)
+    start_simulation_server(OmegaConf.create({"model": {"config": dict(train.model.config)}}))
+    log.info("layout=auto: searching the layouts of %d %s rank%s%s", world, gpu.name,
+             "s" if world > 1 else "",
+             f" within {', '.join(f'{k}={v}' for k, v in bounds.items())}" if bounds else "")
+    result = search_layouts(train, gpu, PlanConfig(gpus=world, search=True, top=3),
+                            allows(bounds), base=base)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, indent=1))
+    os.replace(tmp, path)
+    return result
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("AUTOMODEL_CACHE")
+    return (Path(root) if root else Path.home() / ".cache" / "automodel") / "layout"
+
+
+def _chosen(result: dict, world: int) -> dict:
+    """The fastest layout that fits, or a refusal with the nearest misses."""
+    if result["top"]:
+        return result["top"][0]
+    misses = "\n".join(f"  {i}. pp {m['candidate']['pp']} {m['candidate']['schedule']}, dp "
+                       f"{m['candidate']['dp_replicate']}x{m['candidate']['dp_shard']}, tp "
+                       f"{m['candidate']['tp']}, cp {m['candidate']['cp']}, ep "
+                       f"{m['candidate']['ep']}, AC {m['candidate']['ac']}, micro-batch "
+                       f"{m['candidate']['mbs']}: needs {m['lacks']}"
+                       for i, m in enumerate(result.get("nearest_misses", []), 1))
+    raise ConfigError(f"layout=auto: no layout of {world} {result['gpu']['name']} rank"
+                      f"{'s' if world > 1 else ''} fits this job ({result['searched']} tried). "
+                      f"The nearest misses:\n{misses}\nUse more GPUs, adapters (peft=lora), "
+                      "a shorter trainer.seq_len or a smaller batch")
+
+
+def _write(job: TrainConfig, result: dict, chosen: dict) -> None:
+    """search.json and plan.json beside the run, and the chosen layout said."""
+    from automodel.planning.search import write_search
+
+    write_search(result, job.output_dir)
+    plan = {"layout": chosen["candidate"], "overrides": chosen["overrides"],
+            "command": chosen["command"], "estimate": chosen,
+            "planned": result.get("best_planned")}
+    with open(os.path.join(job.output_dir, "plan.json"), "w") as f:
+        json.dump(plan, f, indent=1)
+    c = chosen["candidate"]
+    peak = chosen["peak_bytes"]
+    log.info("layout=auto chose pp %d %s, dp %dx%d, tp %d, cp %d, ep %d, AC %s, micro-batch %d: "
+             "%.3g s/step, peak %s per rank predicted (search.json, plan.json); the same job "
+             "without the search: %s", c["pp"], c["schedule"], c["dp_replicate"],
+             c["dp_shard"], c["tp"], c["cp"], c["ep"], c["ac"], c["mbs"],
+             chosen["step_time_s"], f"{peak / 2**30:.2f} GiB" if peak >= 2**30
+             else f"{peak / 2**20:.1f} MiB", chosen["command"])

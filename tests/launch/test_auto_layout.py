@@ -1,0 +1,117 @@
+"""``layout=auto`` (automodel/launch/auto_layout.py): the planner's search chooses the layout for
+the ranks at hand before any starts, the keys the user set bound it, and the run's config is
+the printed command's. Real searches (probes simulated in worker processes) and a real run on
+4 CPU ranks; the SLURM submitter's part is in tests/launch/test_slurm.py."""
+
+import json
+import logging
+import re
+import subprocess
+import sys
+
+import pytest
+from omegaconf import OmegaConf
+
+from automodel.api import compose, load_config
+from automodel.config.build import ConfigError
+from automodel.launch.auto_layout import allows, bounds_of, choose_layout
+from tests.cli.test_cli import ROOT
+
+TINY = ["distributed.backend=gloo", "trainer.max_steps=3", "trainer.log_every=1"]
+
+
+def test_layout_auto_on_four_ranks_trains_the_printed_layout(tmp_path):
+    """The run prints its choice and the command of the same job without the search; that
+    command's config is the run's own (``.hydra/config.yaml``), search.json and plan.json lie
+    beside it, and it trains."""
+    run = tmp_path / "run"
+    out = subprocess.run([sys.executable, str(ROOT / "train.py"), "layout=auto",
+                          "distributed.nproc_per_node=4", *TINY, f"hydra.run.dir={run}"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                         env={**_env(), "AUTOMODEL_CACHE": str(tmp_path / "cache")})
+    assert out.returncode == 0, out.stderr[-3000:]
+    log = (run / "train.log").read_text()
+    command = re.search(r"layout=auto chose .*; the same job without the search: "
+                        r"python train\.py (.*)", log).group(1).split()
+    saved = OmegaConf.load(run / ".hydra" / "config.yaml")
+    assert saved.layout == "manual"
+    printed = compose(command)  # (the config the printed command composes)
+    for section in ("mesh", "parallelism", "pipeline", "trainer", "distributed", "model"):
+        assert OmegaConf.to_container(printed[section], resolve=True) == \
+            OmegaConf.to_container(saved[section], resolve=True), section
+    assert load_config(command).layout.world_size == 4
+    plan = json.loads((run / "plan.json").read_text())
+    assert plan["command"].split()[2:] == command
+    assert json.loads((run / "search.json").read_text())["top"][0]["overrides"] == \
+        plan["overrides"]
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]
+
+
+def _env():
+    import os
+
+    return {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK",
+                                                                       "WORLD_SIZE"))}
+
+
+def test_the_keys_set_bound_the_search_and_a_repeated_search_is_reused(tmp_path, monkeypatch,
+                                                                       caplog):
+    monkeypatch.setenv("AUTOMODEL_CACHE", str(tmp_path / "cache"))
+    args = ["layout=auto", "distributed.nproc_per_node=4", "mesh.tp_size=2",
+            "parallelism.activation_checkpointing=full", *TINY]
+    caplog.set_level(logging.INFO, logger="automodel")
+    for attempt in range(2):
+        cfg = load_config(args, output_dir=str(tmp_path / f"run{attempt}"))
+        job = choose_layout(cfg, lambda o, a=attempt: load_config(
+            o, output_dir=str(tmp_path / f"run{a}")))
+        assert job.layout.tp == 2 and job.layout.world_size == 4
+        assert job.activation_checkpointing == "full" and job.layout_mode == "manual"
+    assert "ran before: reusing" in caplog.text  # (the second search: from the cache)
+    assert len(list((tmp_path / "cache" / "layout").glob("*.json"))) == 1
+
+
+@pytest.mark.fast
+def test_bounds_are_read_from_the_keys_and_a_fixed_layout_is_a_conflict():
+    from automodel.planning.candidates import Candidate
+
+    bounds = bounds_of(["mesh.tp_size=2", "pipeline=1f1b", "trainer.local_batch_size=2",
+                        "parallelism.activation_checkpointing=false", "model=llama_tiny"])
+    assert bounds == {"tp": 2, "schedule": "1f1b", "mbs": 2, "ac": "none"}
+    keep = allows(bounds)
+    assert keep(Candidate(1, 2, 2, 2, "1f1b", "none", 2))
+    assert not keep(Candidate(1, 2, 2, 2, "interleaved", "none", 2))
+    assert not keep(Candidate(1, 4, 1, 2, "1f1b", "none", 2))
+    with pytest.raises(ConfigError, match="pipeline=zero_bubble is not one of them"):
+        bounds_of(["pipeline=zero_bubble"])
+    fixed = ["layout=auto", "distributed.nproc_per_node=4", "mesh.tp_size=2",
+             "mesh.dp_size=2", "mesh.pp_size=1", "pipeline=none",
+             "parallelism.activation_checkpointing=full", "trainer.local_batch_size=1"]
+    with pytest.raises(ConfigError, match="the search has nothing to choose"):
+        choose_layout(load_config(fixed), None)
+
+
+@pytest.mark.fast
+def test_ranks_started_by_an_outer_launcher_do_not_search():
+    torchrun = {"TORCHELASTIC_RUN_ID": "x", "RANK": "0", "WORLD_SIZE": "2",
+                "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "CUDA_VISIBLE_DEVICES": ""}
+    cfg = load_config(["layout=auto"], env=torchrun)
+    with pytest.raises(ConfigError, match="layout=auto under torchrun: each rank would search"):
+        choose_layout(cfg, None)
+    with pytest.raises(ConfigError, match=r"layout='sideways': allowed: manual, auto"):
+        load_config(["layout=sideways"])
+
+
+def test_a_model_that_fits_nowhere_is_refused_with_its_nearest_misses(tmp_path, monkeypatch):
+    """Llama 3.1 8B on 2 CPU ranks sharing this machine's memory: no layout fits; the refusal
+    names three layouts of different shapes and how much each lacks."""
+    monkeypatch.setenv("AUTOMODEL_CACHE", str(tmp_path / "cache"))
+    cfg = load_config(["model=llama3_1_8b", "layout=auto", "distributed.nproc_per_node=2",
+                       "distributed.backend=gloo"], output_dir=str(tmp_path))
+    with pytest.raises(ConfigError) as err:
+        choose_layout(cfg, None)
+    text = str(err.value)
+    assert "layout=auto: no layout of 2 cpu ranks fits this job" in text
+    misses = re.findall(r"\n  \d\. (pp .*): needs (\d+\.\d) GiB more per device", text)
+    assert len(misses) == 3 and len({m[0].split(", AC")[0] for m in misses}) == 3, text
+    assert all(float(m[1]) > 0 for m in misses)
