@@ -162,6 +162,10 @@ def main(argv: list[str] | None = None) -> int:
         with without_collections():
             cfg = load_config(args.overrides, output_dir=output_dir,
                               env=submit_env(args.nodes, args.tasks_per_node))
+            if cfg.layout_mode == "auto":
+                raise ConfigError("layout=auto: python -m launchers.slurm does not search yet; "
+                                  "submit with python train.py -m hydra/launcher=slurm "
+                                  "layout=auto ..., which searches before submitting")
             preflight(cfg, gpus=args.gpus_per_node)
     except ConfigError as err:
         print(f"automodel: configuration error:\n{err}", file=sys.stderr)

@@ -123,34 +123,80 @@ def choose_layout(cfg: TrainConfig, compose_and_resolve) -> TrainConfig:
     """``cfg`` (``layout=auto``) on the layout the search chooses: ``compose_and_resolve``
     turns a list of overrides into the job's ``TrainConfig`` (its output directory and
     environment kept)."""
-    from automodel.planning.cli import without_keys
-    from automodel.planning.probes import LAYOUT_KEYS
 
     if cfg.launch.external:
         raise ConfigError(f"layout=auto under {cfg.launch.kind}: each rank would search alone. "
                           "The search runs once, before the ranks start: launch with python "
                           "train.py (local ranks), hydra/launcher=slurm or python -m "
                           "launchers.slurm; or plan.py plan.search=true and set the layout")
-    keys = [o for o in cfg.overrides if o not in without_keys(cfg.overrides, LAYOUT_KEYS)]
-    bounds = bounds_of(keys)
-    check_bounds(bounds, keys)
     world = cfg.layout.world_size
-    base = [o for o in without_keys(cfg.overrides, LAYOUT_KEYS)
-            if not o.lstrip("+").startswith(("layout=", "distributed.nproc_per_node="))]
+    gpu = gpu_profile(world) if cfg.launch.gpus else cpu_profile(world)
+    base = _base(cfg.overrides)
     base += [f"distributed.nproc_per_node={world}"] if world > 1 else []
-    result = _search(cfg, base, bounds, world)
-    chosen = _chosen(result, world)
+    result, chosen = search_and_choose(cfg, base, world, gpu)
     job = compose_and_resolve(base + chosen["overrides"])
-    _write(job, result, chosen)
+    write_choice(job.output_dir, result, chosen)
     return job
 
 
-def _search(cfg: TrainConfig, base: list[str], bounds: dict, world: int) -> dict:
+def _base(overrides: list[str]) -> list[str]:
+    """The job's own overrides: without the layout keys and ``layout=`` itself."""
+    from automodel.planning.cli import without_keys
+    from automodel.planning.probes import LAYOUT_KEYS
+
+    return [o for o in without_keys(overrides, LAYOUT_KEYS)
+            if not o.lstrip("+").startswith(("layout=", "distributed.nproc_per_node="))]
+
+
+def search_and_choose(cfg: TrainConfig, base: list[str], world: int, gpu) -> tuple:
+    """(the search's result, the chosen layout's estimate) of ``cfg``'s job on ``world``
+    devices of ``gpu``, within the layout keys of its overrides."""
+    from automodel.planning.cli import without_keys
+    from automodel.planning.probes import LAYOUT_KEYS
+
+    keys = [o for o in cfg.overrides if o not in without_keys(cfg.overrides, LAYOUT_KEYS)]
+    bounds = bounds_of(keys)
+    check_bounds(bounds, keys)
+    result = _search(cfg, base, bounds, world, gpu)
+    return result, _chosen(result, world)
+
+
+def slurm_layout(cfg: TrainConfig, nodes: int, tasks_per_node: int, output_dir: str,
+                 partition: str | None) -> list[str]:
+    """At submit time: the overrides that put a ``layout=auto`` SLURM job on the layout the
+    search chooses for ``nodes`` x ``tasks_per_node`` ranks (its nodes' memory and CPUs from
+    the partition; GPU jobs: not yet), to append to the job's own (``layout=manual`` last, so
+    its tasks do not search again); ``search.json`` and ``plan.json`` in ``output_dir``."""
+    world = nodes * tasks_per_node
+    gpu = _slurm_cpu_profile(partition, tasks_per_node)
+    base = _base(cfg.overrides)
+    result, chosen = search_and_choose(cfg, base, world, gpu)
+    write_choice(output_dir, result, chosen)
+    return chosen["overrides"] + ["layout=manual"]
+
+
+def _slurm_cpu_profile(partition: str | None, tasks_per_node: int):
+    """The CPU ranks of a SLURM job: each node's memory (``sinfo``) shared by its tasks."""
+    from automodel.planning.gpus import MiB
+
+    args = ["sinfo", "-h", "-o", "%G|%m"] + (["-p", partition] if partition else [])
+    out = subprocess.run(args, capture_output=True, text=True).stdout.split()
+    if not out:
+        raise ConfigError("layout=auto: sinfo names no nodes for this job's partition")
+    gres, memory = out[0].split("|")
+    if gres not in ("(null)", ""):
+        raise ConfigError(f"layout=auto on SLURM GPU nodes ({gres}) is not built yet: plan with "
+                          "plan.py plan.search=true plan.gpus=<GPUs> and set the layout")
+    profile = cpu_profile(tasks_per_node)
+    return dataclasses.replace(profile, hbm_bytes=int(memory.rstrip("+")) * MiB
+                               // tasks_per_node)
+
+
+def _search(cfg: TrainConfig, base: list[str], bounds: dict, world: int, gpu) -> dict:
     """The search's result, from the cache when the same search ran before."""
     from automodel.config.plan_schema import PlanConfig
     from automodel.planning.search import _resolve, search_layouts
 
-    gpu = gpu_profile(world) if cfg.launch.gpus else cpu_profile(world)
     key = hashlib.sha256(json.dumps({
         "model": dataclasses.asdict(cfg.model), "seq_len": cfg.trainer.seq_len,
         "batch": cfg.trainer.global_batch_size, "mp": str(cfg.mp_policy),
@@ -203,15 +249,15 @@ def _chosen(result: dict, world: int) -> dict:
                       "a shorter trainer.seq_len or a smaller batch")
 
 
-def _write(job: TrainConfig, result: dict, chosen: dict) -> None:
+def write_choice(output_dir: str, result: dict, chosen: dict) -> None:
     """search.json and plan.json beside the run, and the chosen layout said."""
     from automodel.planning.search import write_search
 
-    write_search(result, job.output_dir)
+    write_search(result, output_dir)
     plan = {"layout": chosen["candidate"], "overrides": chosen["overrides"],
             "command": chosen["command"], "estimate": chosen,
             "planned": result.get("best_planned")}
-    with open(os.path.join(job.output_dir, "plan.json"), "w") as f:
+    with open(os.path.join(output_dir, "plan.json"), "w") as f:
         json.dump(plan, f, indent=1)
     c = chosen["candidate"]
     peak = chosen["peak_bytes"]

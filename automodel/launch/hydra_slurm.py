@@ -32,17 +32,20 @@ def check_slurm_request(params: dict) -> None:
         sys.exit(2)
 
 
-def preflight_sweep(launcher, job_overrides: Sequence[Sequence[str]],
-                    initial_job_idx: int) -> list[int]:
+def preflight_sweep(launcher, job_overrides: list, initial_job_idx: int) -> list[int]:
     """Preflight every job ``launcher`` (a submitit ``SlurmLauncher``, set up by Hydra) is
     about to submit; exit 2 with the first refusal. Returns each job's
-    ``distributed.max_restarts``."""
+    ``distributed.max_restarts``; a ``layout=auto`` job's overrides in ``job_overrides`` get
+    the chosen layout's."""
     from automodel.config.build import ConfigError
 
     restarts = []
-    for idx, overrides in enumerate(job_overrides, start=initial_job_idx):
+    for n, (idx, overrides) in enumerate(enumerate(job_overrides, start=initial_job_idx)):
         try:
-            restarts.append(preflight_job(launcher, list(overrides), idx))
+            job_restarts, chosen = preflight_job(launcher, list(overrides), idx)
+            restarts.append(job_restarts)
+            if chosen:  # (layout=auto: the job's tasks compose the chosen layout)
+                job_overrides[n] = with_overrides(list(overrides), chosen)
         except ConfigError as err:
             print(f"automodel: configuration error:\nsweep job #{idx} ({' '.join(overrides)}), "
                   f"refused before anything was submitted:\n{err}", file=sys.stderr, flush=True)
@@ -50,9 +53,10 @@ def preflight_sweep(launcher, job_overrides: Sequence[Sequence[str]],
     return restarts
 
 
-def preflight_job(launcher, overrides: list, idx: int) -> int:
+def preflight_job(launcher, overrides: list, idx: int) -> tuple[int, list[str]]:
     """Resolve job ``idx`` of the sweep as its tasks will, and preflight it; raises
-    ``ConfigError``. Returns its ``distributed.max_restarts``."""
+    ``ConfigError``. Returns its ``distributed.max_restarts`` and, for ``layout=auto``, the
+    overrides of the layout the search chose (``automodel.launch.auto_layout``), else []."""
     from omegaconf import open_dict
 
     from automodel.cli import resolve_hydra_job
@@ -66,8 +70,27 @@ def preflight_job(launcher, overrides: list, idx: int) -> int:
     output_dir = str(Path(str(hc.sweep.dir)) / _job_subdir(cfg))
     env = submit_env(launcher.params["nodes"], launcher.params["tasks_per_node"])
     job = resolve_hydra_job(cfg, hc, output_dir, multirun=True, env=env)
+    chosen = []
+    if job.layout_mode == "auto":
+        from automodel.launch.auto_layout import slurm_layout
+
+        p = launcher.params
+        chosen = slurm_layout(job, p["nodes"], p["tasks_per_node"], output_dir,
+                              p.get("partition"))
+        cfg = launcher.hydra_context.config_loader.load_sweep_config(
+            launcher.config, with_overrides(overrides, chosen))
+        with open_dict(cfg.hydra.job):
+            cfg.hydra.job.num = idx
+        job = resolve_hydra_job(cfg, cfg.hydra, output_dir, multirun=True, env=env)
     preflight(job, gpus=job_gpus(launcher.params))
-    return job.distributed.max_restarts
+    return job.distributed.max_restarts, chosen
+
+
+def with_overrides(overrides: list[str], replacing: list[str]) -> list[str]:
+    """``overrides`` with those of the keys ``replacing`` sets dropped, then ``replacing``
+    (Hydra refuses two values of one key in a job's overrides)."""
+    keys = {o.lstrip("+").split("=", 1)[0] for o in replacing}
+    return [o for o in overrides if o.lstrip("+").split("=", 1)[0] not in keys] + replacing
 
 
 def _job_subdir(cfg) -> str:

@@ -42,6 +42,7 @@ class SlurmLauncher(SubmititSlurmLauncher):
         from automodel.launch.slurm import job_states_refreshed
 
         check_slurm_request(self.params)
+        job_overrides = [list(o) for o in job_overrides]  # (layout=auto adds its choice)
         restarts = preflight_sweep(self, job_overrides, initial_job_idx)
         stock = SubmititSlurmLauncher(**stock_parameters(self.params, restarts))
         stock.setup(hydra_context=self.hydra_context, task_function=self.task_function,

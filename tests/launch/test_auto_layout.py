@@ -20,15 +20,20 @@ from tests.cli.test_cli import ROOT
 TINY = ["distributed.backend=gloo", "trainer.max_steps=3", "trainer.log_every=1"]
 
 
-def test_layout_auto_on_four_ranks_trains_the_printed_layout(tmp_path):
-    """The run prints its choice and the command of the same job without the search; that
-    command's config is the run's own (``.hydra/config.yaml``), search.json and plan.json lie
-    beside it, and it trains."""
+BOUNDED = ["layout=auto", "distributed.nproc_per_node=4", "mesh.tp_size=2",
+           "parallelism.activation_checkpointing=full", *TINY]
+
+
+def test_layout_auto_on_four_ranks_trains_the_printed_layout(tmp_path, monkeypatch, caplog):
+    """Within the keys set (tp 2, full checkpointing) the run prints its choice and the
+    command of the same job without the search; that command's config is the run's own
+    (``.hydra/config.yaml``), search.json and plan.json lie beside it, and it trains. The same
+    search again (in this process) is the cached one."""
     run = tmp_path / "run"
-    out = subprocess.run([sys.executable, str(ROOT / "train.py"), "layout=auto",
-                          "distributed.nproc_per_node=4", *TINY, f"hydra.run.dir={run}"],
-                         cwd=tmp_path, capture_output=True, text=True, timeout=600,
-                         env={**_env(), "AUTOMODEL_CACHE": str(tmp_path / "cache")})
+    cache = tmp_path / "cache"
+    out = subprocess.run([sys.executable, str(ROOT / "train.py"), *BOUNDED,
+                          f"hydra.run.dir={run}"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=600, env={**_env(), "AUTOMODEL_CACHE": str(cache)})
     assert out.returncode == 0, out.stderr[-3000:]
     log = (run / "train.log").read_text()
     command = re.search(r"layout=auto chose .*; the same job without the search: "
@@ -44,8 +49,23 @@ def test_layout_auto_on_four_ranks_trains_the_printed_layout(tmp_path):
     assert plan["command"].split()[2:] == command
     assert json.loads((run / "search.json").read_text())["top"][0]["overrides"] == \
         plan["overrides"]
-    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert plan["layout"]["tp"] == 2 and plan["layout"]["ac"] == "full"  # (the bounds)
+    assert all(e["candidate"]["tp"] == 2 for e in json.loads(
+        (run / "search.json").read_text())["top"])
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text()
+             .splitlines()]
     assert steps == [1, 2, 3]
+    # the same search again: the cache's (no probe runs; the choice is the same)
+    monkeypatch.setenv("AUTOMODEL_CACHE", str(cache))
+    caplog.set_level(logging.INFO, logger="automodel")
+    again = tmp_path / "again"
+    job = choose_layout(load_config(BOUNDED, output_dir=str(again)),
+                        lambda o: load_config(o, output_dir=str(again)))
+    assert "ran before: reusing" in caplog.text
+    assert len(list((cache / "layout").glob("*.json"))) == 1
+    assert (job.layout.tp, job.activation_checkpointing, job.layout_mode) == \
+        (2, "full", "manual")
+    assert json.loads((again / "plan.json").read_text())["overrides"] == plan["overrides"]
 
 
 def _env():
@@ -53,22 +73,6 @@ def _env():
 
     return {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK",
                                                                        "WORLD_SIZE"))}
-
-
-def test_the_keys_set_bound_the_search_and_a_repeated_search_is_reused(tmp_path, monkeypatch,
-                                                                       caplog):
-    monkeypatch.setenv("AUTOMODEL_CACHE", str(tmp_path / "cache"))
-    args = ["layout=auto", "distributed.nproc_per_node=4", "mesh.tp_size=2",
-            "parallelism.activation_checkpointing=full", *TINY]
-    caplog.set_level(logging.INFO, logger="automodel")
-    for attempt in range(2):
-        cfg = load_config(args, output_dir=str(tmp_path / f"run{attempt}"))
-        job = choose_layout(cfg, lambda o, a=attempt: load_config(
-            o, output_dir=str(tmp_path / f"run{a}")))
-        assert job.layout.tp == 2 and job.layout.world_size == 4
-        assert job.activation_checkpointing == "full" and job.layout_mode == "manual"
-    assert "ran before: reusing" in caplog.text  # (the second search: from the cache)
-    assert len(list((tmp_path / "cache" / "layout").glob("*.json"))) == 1
 
 
 @pytest.mark.fast
@@ -91,7 +95,6 @@ def test_bounds_are_read_from_the_keys_and_a_fixed_layout_is_a_conflict():
         choose_layout(load_config(fixed), None)
 
 
-@pytest.mark.fast
 def test_ranks_started_by_an_outer_launcher_do_not_search():
     torchrun = {"TORCHELASTIC_RUN_ID": "x", "RANK": "0", "WORLD_SIZE": "2",
                 "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "CUDA_VISIBLE_DEVICES": ""}
@@ -100,6 +103,10 @@ def test_ranks_started_by_an_outer_launcher_do_not_search():
         choose_layout(cfg, None)
     with pytest.raises(ConfigError, match=r"layout='sideways': allowed: manual, auto"):
         load_config(["layout=sideways"])
+    # the submitter without a search refuses before submitting (no SLURM needed)
+    out = subprocess.run([sys.executable, "-m", "launchers.slurm", "layout=auto"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300, env=_env())
+    assert out.returncode == 2 and "launchers.slurm does not search yet" in out.stderr
 
 
 def test_a_model_that_fits_nowhere_is_refused_with_its_nearest_misses(tmp_path, monkeypatch):

@@ -212,3 +212,26 @@ def test_two_node_jobs_are_checked_before_submission(tmp_path):
         out.stderr
     job_id = re.search(r"submitted SLURM job (\d+)", out.stdout).group(1)  # (it was queued)
     subprocess.run(["scancel", job_id], check=True)
+
+
+def test_layout_auto_on_two_nodes_searches_at_submit_and_keeps_tp_within_a_node(tmp_path):
+    """``layout=auto`` on 2 nodes x 2 tasks: the submitter searches the layouts of 4 ranks in
+    nodes of 2 (the nodes' memory from sinfo), none with tensor parallelism across the nodes;
+    the job's tasks compose the chosen layout (no search of their own) and train it on both
+    nodes; its command, printed in plan.json, is the tasks' config."""
+    sweep = tmp_path / "sweep"
+    out = run(["-m", *TWO_NODES, "layout=auto", f"hydra.sweep.dir={sweep}"] + BASE, tmp_path,
+              timeout=900, env_extra={"AUTOMODEL_CACHE": str(tmp_path / "cache")})
+    assert out.returncode == 0, out.stderr[-3000:]
+    search = json.loads((sweep / "0" / "search.json").read_text())
+    assert search["gpus"] == 4 and search["gpu"]["gpus_per_node"] == 2
+    assert search["searched"] > 1 and all(e["candidate"]["tp"] <= 2 for e in search["top"])
+    plan = json.loads((sweep / "0" / "plan.json").read_text())
+    log = (sweep / "0" / "train.log").read_text()
+    assert "ranks 0-1 on node1, ranks 2-3 on node2" in log and "layout=auto:" not in log
+    c = plan["layout"]
+    assert f"(dp={c['dp_replicate'] * c['dp_shard']}, cp={c['cp']}, tp={c['tp']}, " \
+           f"pp={c['pp']}" in log, log[:2000]
+    overrides = (sweep / "0" / ".hydra" / "overrides.yaml").read_text()
+    assert "layout=manual" in overrides and all(o in overrides for o in plan["overrides"])
+    assert len(losses(sweep / "0" / "metrics.jsonl")) == 5
