@@ -40,20 +40,45 @@ def split_plan_node(cfg):
     return train, plan
 
 
-def planning_env(plan: PlanConfig, mesh_dp_size) -> dict:
-    """The environment the config is resolved in: as if ``torchrun`` had started
-    ``plan.gpus`` ranks (the layout then fills the data-parallel degree), or a plain launch of
-    the mesh's ranks; never this machine's GPUs."""
+def planning_env(plan: PlanConfig, mesh_dp_size, nproc_per_node=None, env=None) -> dict:
+    """The environment the config is resolved in: as if ``torchrun`` had started the job's
+    ranks (the layout then fills the data-parallel degree), or a plain launch of the mesh's
+    ranks; never this machine's GPUs. The job's size, as train.py takes it: ``plan.gpus``;
+    else the mesh's own (``mesh.dp_size``) or the local ranks (``distributed.nproc_per_node``);
+    else the ranks of the SLURM allocation or the torchrun world this runs in."""
     if plan.gpus is not None:
         if plan.gpus < 1:
             raise ConfigError(f"plan.gpus={plan.gpus}: the job's GPUs must be >= 1; set "
                               "plan.gpus=<GPUs>, or null to plan the mesh's ranks")
-        return {"TORCHELASTIC_RUN_ID": "plan", "WORLD_SIZE": str(plan.gpus),
-                "LOCAL_WORLD_SIZE": str(plan.gpus), "RANK": "0", "CUDA_VISIBLE_DEVICES": ""}
-    if mesh_dp_size is None:
+        return _world_env(plan.gpus, plan.gpus)
+    if mesh_dp_size is not None or nproc_per_node is not None:
+        return {"CUDA_VISIBLE_DEVICES": ""}
+    found = _outer_world(os.environ if env is None else env)
+    if found is None:
         raise ConfigError("plan.py needs the job's size: set plan.gpus=<GPUs> (the mesh's "
-                          "data-parallel degree is then inferred) or mesh.dp_size")
-    return {"CUDA_VISIBLE_DEVICES": ""}
+                          "data-parallel degree is then inferred), distributed.nproc_per_node "
+                          "(local ranks) or mesh.dp_size, or run it inside the SLURM "
+                          "allocation or torchrun job it plans")
+    return _world_env(*found)
+
+
+def _world_env(world: int, per_node: int) -> dict:
+    return {"TORCHELASTIC_RUN_ID": "plan", "WORLD_SIZE": str(world),
+            "LOCAL_WORLD_SIZE": str(per_node), "RANK": "0", "CUDA_VISIBLE_DEVICES": ""}
+
+
+def _outer_world(env) -> tuple[int, int] | None:
+    """(ranks, ranks per node) of the SLURM allocation (its tasks) or torchrun job this runs
+    in, or None."""
+    if env.get("SLURM_JOB_ID") and env.get("SLURM_NTASKS"):
+        from automodel.config.slurm_env import expand_tasks_per_node
+
+        per_node = expand_tasks_per_node(env.get("SLURM_TASKS_PER_NODE",
+                                                 env["SLURM_NTASKS"]))
+        return int(env["SLURM_NTASKS"]), max(per_node)
+    if env.get("WORLD_SIZE"):
+        return int(env["WORLD_SIZE"]), int(env.get("LOCAL_WORLD_SIZE") or env["WORLD_SIZE"])
+    return None
 
 
 def without_keys(overrides: list[str], prefixes: tuple) -> list[str]:
@@ -69,7 +94,7 @@ def resolve_for_plan(cfg, hc, plan: PlanConfig, output_dir: str):
     from automodel.launch.preflight import check_model_layout
 
     overrides = without_keys(list(hc.overrides.task), ("plan.",))
-    env = planning_env(plan, cfg.mesh.dp_size)
+    env = planning_env(plan, cfg.mesh.dp_size, cfg.distributed.nproc_per_node)
     explicit = plan.gpus is not None and cfg.mesh.dp_size is not None
     if explicit:  # (the mesh's own ranks, then held against plan.gpus)
         env = planning_env(PlanConfig(gpus=None), cfg.mesh.dp_size)

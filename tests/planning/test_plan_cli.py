@@ -205,3 +205,28 @@ def regenerate(names=None) -> None:
 
 if __name__ == "__main__":
     regenerate(sys.argv[1:])
+
+
+@pytest.mark.fast
+def test_the_plan_takes_the_jobs_size_as_train_py_does():
+    """plan.gpus; else the mesh's or the local ranks' (distributed.nproc_per_node, as
+    ``train.py distributed.nproc_per_node=2 mesh.tp_size=2`` takes it); else the SLURM
+    allocation's tasks or the torchrun world it runs in; else a refusal naming each way."""
+    from automodel.api import compose
+    from automodel.config.build import ConfigError
+    from automodel.config.plan_schema import PlanConfig
+    from automodel.config.resolve import resolve
+    from automodel.planning.cli import planning_env
+
+    none = PlanConfig()
+    assert planning_env(PlanConfig(gpus=8), None)["WORLD_SIZE"] == "8"
+    env = planning_env(none, None, nproc_per_node=2, env={})
+    cfg = resolve(compose(["distributed.nproc_per_node=2", "mesh.tp_size=2"]), env=env)
+    assert (cfg.layout.world_size, cfg.layout.tp, cfg.layout.dp) == (2, 2, 1)
+    slurm = {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4", "SLURM_TASKS_PER_NODE": "2(x2)"}
+    assert planning_env(none, None, env=slurm)["WORLD_SIZE"] == "4"
+    assert planning_env(none, None, env=slurm)["LOCAL_WORLD_SIZE"] == "2"
+    torchrun = {"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"}
+    assert planning_env(none, None, env=torchrun)["LOCAL_WORLD_SIZE"] == "8"
+    with pytest.raises(ConfigError, match="distributed.nproc_per_node .* SLURM allocation"):
+        planning_env(none, None, env={})
