@@ -123,12 +123,11 @@ def choose_layout(cfg: TrainConfig, compose_and_resolve) -> TrainConfig:
     """``cfg`` (``layout=auto``) on the layout the search chooses: ``compose_and_resolve``
     turns a list of overrides into the job's ``TrainConfig`` (its output directory and
     environment kept)."""
-
     if cfg.launch.external:
         raise ConfigError(f"layout=auto under {cfg.launch.kind}: each rank would search alone. "
                           "The search runs once, before the ranks start: launch with python "
-                          "train.py (local ranks), hydra/launcher=slurm or python -m "
-                          "launchers.slurm; or plan.py plan.search=true and set the layout")
+                          "train.py (local ranks) or python train.py -m hydra/launcher=slurm; "
+                          "or plan.py plan.search=true and set the layout")
     world = cfg.layout.world_size
     gpu = gpu_profile(world) if cfg.launch.gpus else cpu_profile(world)
     base = _base(cfg.overrides)
@@ -164,8 +163,8 @@ def search_and_choose(cfg: TrainConfig, base: list[str], world: int, gpu) -> tup
 def slurm_layout(cfg: TrainConfig, nodes: int, tasks_per_node: int, output_dir: str,
                  partition: str | None) -> list[str]:
     """At submit time: the overrides that put a ``layout=auto`` SLURM job on the layout the
-    search chooses for ``nodes`` x ``tasks_per_node`` ranks (its nodes' memory and CPUs from
-    the partition; GPU jobs: not yet), to append to the job's own (``layout=manual`` last, so
+    search chooses for ``nodes`` x ``tasks_per_node`` ranks (its nodes' memory from the
+    partition; GPU jobs: not yet), to append to the job's own (``layout=manual`` last, so
     its tasks do not search again); ``search.json`` and ``plan.json`` in ``output_dir``."""
     world = nodes * tasks_per_node
     gpu = _slurm_cpu_profile(partition, tasks_per_node)
@@ -179,11 +178,13 @@ def _slurm_cpu_profile(partition: str | None, tasks_per_node: int):
     """The CPU ranks of a SLURM job: each node's memory (``sinfo``) shared by its tasks."""
     from automodel.planning.gpus import MiB
 
-    args = ["sinfo", "-h", "-o", "%G|%m"] + (["-p", partition] if partition else [])
-    out = subprocess.run(args, capture_output=True, text=True).stdout.split()
-    if not out:
+    args = ["sinfo", "-h", "-o", "%P|%G|%m"] + (["-p", partition] if partition else [])
+    lines = [line.split("|") for line in
+             subprocess.run(args, capture_output=True, text=True).stdout.split()]
+    lines = [x for x in lines if partition or x[0].endswith("*")]  # (the default partition)
+    if not lines:
         raise ConfigError("layout=auto: sinfo names no nodes for this job's partition")
-    gres, memory = out[0].split("|")
+    _, gres, memory = lines[0]
     if gres not in ("(null)", ""):
         raise ConfigError(f"layout=auto on SLURM GPU nodes ({gres}) is not built yet: plan with "
                           "plan.py plan.search=true plan.gpus=<GPUs> and set the layout")
