@@ -238,11 +238,9 @@ def _chosen(result: dict, world: int) -> dict:
     """The fastest layout that fits, or a refusal with the nearest misses."""
     if result["top"]:
         return result["top"][0]
-    misses = "\n".join(f"  {i}. pp {m['candidate']['pp']} {m['candidate']['schedule']}, dp "
-                       f"{m['candidate']['dp_replicate']}x{m['candidate']['dp_shard']}, tp "
-                       f"{m['candidate']['tp']}, cp {m['candidate']['cp']}, ep "
-                       f"{m['candidate']['ep']}, AC {m['candidate']['ac']}, micro-batch "
-                       f"{m['candidate']['mbs']}: needs {m['lacks']}"
+    from automodel.planning.search import layout_words
+
+    misses = "\n".join(f"  {i}. {layout_words(m['candidate'])}: needs {m['lacks']}"
                        for i, m in enumerate(result.get("nearest_misses", []), 1))
     raise ConfigError(f"layout=auto: no layout of {world} {result['gpu']['name']} rank"
                       f"{'s' if world > 1 else ''} fits this job ({result['searched']} tried). "
@@ -252,7 +250,7 @@ def _chosen(result: dict, world: int) -> dict:
 
 def write_choice(output_dir: str, result: dict, chosen: dict) -> None:
     """search.json and plan.json beside the run, and the chosen layout said."""
-    from automodel.planning.search import write_search
+    from automodel.planning.search import layout_words, write_search
 
     write_search(result, output_dir)
     plan = {"layout": chosen["candidate"], "overrides": chosen["overrides"],
@@ -260,11 +258,9 @@ def write_choice(output_dir: str, result: dict, chosen: dict) -> None:
             "planned": result.get("best_planned")}
     with open(os.path.join(output_dir, "plan.json"), "w") as f:
         json.dump(plan, f, indent=1)
-    c = chosen["candidate"]
     peak = chosen["peak_bytes"]
-    log.info("layout=auto chose pp %d %s, dp %dx%d, tp %d, cp %d, ep %d, AC %s, micro-batch %d: "
-             "%.3g s/step, peak %s per rank predicted (search.json, plan.json); the same job "
-             "without the search: %s", c["pp"], c["schedule"], c["dp_replicate"],
-             c["dp_shard"], c["tp"], c["cp"], c["ep"], c["ac"], c["mbs"],
-             chosen["step_time_s"], f"{peak / 2**30:.2f} GiB" if peak >= 2**30
-             else f"{peak / 2**20:.1f} MiB", chosen["command"])
+    log.info("layout=auto chose %s: %.3g s/step, peak %s per rank predicted (search.json, "
+             "plan.json); the same job without the search: %s",
+             layout_words(chosen["candidate"]), chosen["step_time_s"],
+             f"{peak / 2**30:.2f} GiB" if peak >= 2**30 else f"{peak / 2**20:.1f} MiB",
+             chosen["command"])

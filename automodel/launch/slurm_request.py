@@ -88,10 +88,17 @@ def request_problem(request: Request, partitions: list[Partition]) -> str | None
                                         else p.default)]
     if not chosen:
         return None
-    part, k = chosen[0], request.keys
-    where = f"partition {part.name}"
-    others = [p.name for p in partitions if p is not part and _fits(request, p)]
-    elsewhere = f", or a partition where it fits: {', '.join(others)}" if others else ""
+    part = chosen[0]
+    others = [p.name for p in partitions
+              if p is not part and _limit_passed(request, p, "") is None]
+    return _limit_passed(request, part, f", or a partition where it fits: {', '.join(others)}"
+                         if others else "")
+
+
+def _limit_passed(request: Request, part: Partition, elsewhere: str) -> str | None:
+    """The first limit of ``part`` that ``request`` passes, in words ending in ``elsewhere``
+    (where else it fits), or None."""
+    k, where = request.keys, f"partition {part.name}"
     if request.nodes > part.nodes:
         return (f"{k['nodes']}={request.nodes}, but {where} has {part.nodes} node"
                 f"{'s' if part.nodes != 1 else ''}: SLURM would hold the job forever (a "
@@ -111,15 +118,6 @@ def request_problem(request: Request, partitions: list[Partition]) -> str | None
                 f"{request.cpus_per_task} asks for {cpus} CPUs per node, but the nodes of "
                 f"{where} have {part.cpus_per_node}{elsewhere}")
     return None
-
-
-def _fits(request: Request, part: Partition) -> bool:
-    cpus = request.tasks_per_node * request.cpus_per_task
-    return (request.nodes <= part.nodes
-            and (part.max_nodes is None or request.nodes <= part.max_nodes)
-            and (part.max_minutes is None or not request.minutes
-                 or request.minutes <= part.max_minutes)
-            and (part.cpus_per_node is None or cpus <= part.cpus_per_node))
 
 
 def check_request(request: Request) -> str | None:

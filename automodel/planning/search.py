@@ -355,6 +355,12 @@ def _confirm(base: list[str], best: dict, gpu: GpuProfile, plan_cfg) -> dict:
             "estimated_step_time_s": best["step_time_s"], "warnings": plan["warnings"]}
 
 
+def layout_words(c: dict) -> str:
+    """A candidate (as search.json holds it) in words: ``pp 2 1f1b, dp 1x4, tp 2, ...``."""
+    return (f"pp {c['pp']} {c['schedule']}, dp {c['dp_replicate']}x{c['dp_shard']}, "
+            f"tp {c['tp']}, cp {c['cp']}, ep {c['ep']}, AC {c['ac']}, micro-batch {c['mbs']}")
+
+
 def search_summary(result: dict) -> str:
     lines = [f"search: {result['searched']} layouts of {result['gpus']} x "
              f"{result['gpu']['name']}, {result.get('estimated', 0)} estimated from "
@@ -363,10 +369,8 @@ def search_summary(result: dict) -> str:
     for i, e in enumerate(result["top"], 1):
         c = e["candidate"]
         lines.append(f" {i}. {e['step_time_s']:.3f} s/step, {e['tokens_per_s']:.0f} tokens/s, "
-                     f"peak {e['peak_bytes'] / GiB:.1f} GiB (pp {c['pp']} {c['schedule']}, "
-                     f"dp {c['dp_replicate']}x{c['dp_shard']}, tp {c['tp']}, cp {c['cp']}, "
-                     f"ep {c['ep']}, AC {c['ac']}, "
-                     f"micro-batch {c['mbs']})\n    {e['command']}")
+                     f"peak {e['peak_bytes'] / GiB:.1f} GiB ({layout_words(c)})\n"
+                     f"    {e['command']}")
     for e in result.get("refused_in_full", []):
         p = e["planned"]
         lines.append(f" left out: estimated {e['peak_bytes'] / GiB:.1f} GiB, planned in full "
