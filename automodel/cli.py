@@ -152,6 +152,10 @@ def _run_job(cfg, hc):
                                       hc.mode == RunMode.MULTIRUN)
         if train_cfg.layout_mode == "auto":  # (the search, before any rank starts)
             train_cfg = _auto_layout(train_cfg, hc)
+        else:  # (trainer.plan_check_steps: the plan, before any rank starts)
+            from automodel.launch.plan_first import ensure_plan
+
+            ensure_plan(train_cfg)
         from automodel.launch.preflight import preflight  # (its checks import torch)
 
         preflight(train_cfg)

@@ -15,6 +15,10 @@ class PlanConfig:
     # measured numbers that replace the model's: compute_efficiency, comm_efficiency,
     # bandwidth.<axis> (bus bytes/s)
     calibration: Dict[str, Any] = field(default_factory=dict)
+    # a planned run's folder (its plan_check.json): plan on the device it ran on, with the
+    # efficiencies at which its plan's step time was its measured one (plan.calibration's
+    # keys still win)
+    calibrate_from: Optional[str] = None
     gpus: Optional[int] = None  # the job's GPUs (= ranks); null: the mesh's product
     search: bool = False  # rank every layout of plan.gpus GPUs that fits, print the best
     top: int = 5  # layouts the search prints

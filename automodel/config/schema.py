@@ -352,6 +352,11 @@ class TrainerConfig:
     # on a GPU (the CUDA allocator's count, free) | true = on the CPU too (a dispatch mode
     # counting storages: a few microseconds per operator) | false = never
     track_tensor_memory: Optional[bool] = None
+    # after this many steps, compare the run with its plan (plan.json, made before any rank
+    # starts): step time, peak per rank class, bytes per mesh axis, in train.log and
+    # plan_check.json (docs/planning.md, "The plan beside the run"); null = 10 under
+    # layout=auto, else off | 0 = off | N >= 3 (the first step warms up, the second counts bytes)
+    plan_check_steps: Optional[int] = None
 
 
 # --------------------------------------------------------------------------- tracking

@@ -69,6 +69,11 @@ def check_trainer_options(trainer: s.TrainerConfig, pipeline, strategy) -> None:
                           "plain")
     if trainer.eval_batches is not None:
         _positive("trainer.eval_batches", trainer.eval_batches, 1)
+    n = trainer.plan_check_steps
+    if n is not None and n != 0 and not 3 <= n <= trainer.max_steps:
+        raise ConfigError(f"trainer.plan_check_steps={n}: 0 (off) or 3..trainer.max_steps="
+                          f"{trainer.max_steps} (the first step warms up, the second counts "
+                          "the bytes per axis, the others are timed)")
     if trainer.stop_at_step is not None and not 1 <= trainer.stop_at_step <= trainer.max_steps:
         raise ConfigError(f"trainer.stop_at_step={trainer.stop_at_step}: must be within "
                           f"1..trainer.max_steps={trainer.max_steps}")

@@ -128,14 +128,22 @@ def choose_layout(cfg: TrainConfig, compose_and_resolve) -> TrainConfig:
                           "The search runs once, before the ranks start: launch with python "
                           "train.py (local ranks) or python train.py -m hydra/launcher=slurm; "
                           "or plan.py plan.search=true and set the layout")
+    from automodel.launch.plan_first import auto_check_overrides
+
     world = cfg.layout.world_size
-    gpu = gpu_profile(world) if cfg.launch.gpus else cpu_profile(world)
-    base = _base(cfg.overrides)
+    gpu = local_profile(cfg)
+    base = _base(cfg.overrides) + auto_check_overrides(cfg)
     base += [f"distributed.nproc_per_node={world}"] if world > 1 else []
     result, chosen = search_and_choose(cfg, base, world, gpu)
     job = compose_and_resolve(base + chosen["overrides"])
     write_choice(job.output_dir, result, chosen)
     return job
+
+
+def local_profile(cfg: TrainConfig):
+    """The profile of the ranks a local launch starts: its GPUs', else its CPU ranks'."""
+    world = cfg.layout.world_size
+    return gpu_profile(world) if cfg.launch.gpus else cpu_profile(world)
 
 
 def _base(overrides: list[str]) -> list[str]:
@@ -166,16 +174,21 @@ def slurm_layout(cfg: TrainConfig, nodes: int, tasks_per_node: int, output_dir: 
     search chooses for ``nodes`` x ``tasks_per_node`` ranks (its nodes' memory from the
     partition; GPU jobs: not yet), to append to the job's own (``layout=manual`` last, so
     its tasks do not search again); ``search.json`` and ``plan.json`` in ``output_dir``."""
+    from automodel.launch.plan_first import auto_check_overrides
+
     world = nodes * tasks_per_node
-    gpu = _slurm_cpu_profile(partition, tasks_per_node)
-    base = _base(cfg.overrides)
+    gpu = slurm_profile(partition, tasks_per_node)
+    check = auto_check_overrides(cfg)
+    base = _base(cfg.overrides) + check
     result, chosen = search_and_choose(cfg, base, world, gpu)
     write_choice(output_dir, result, chosen)
-    return chosen["overrides"] + ["layout=manual"]
+    return chosen["overrides"] + check + ["layout=manual"]
 
 
-def _slurm_cpu_profile(partition: str | None, tasks_per_node: int):
-    """The CPU ranks of a SLURM job: each node's memory (``sinfo``) shared by its tasks."""
+def slurm_profile(partition: str | None, tasks_per_node: int):
+    """The ranks of a SLURM job on ``partition``'s nodes (``sinfo``; None: the default
+    partition): their GPUs' profile (the GRES's GPU type), else the node's memory shared by
+    its tasks."""
     from automodel.planning.gpus import MiB
 
     args = ["sinfo", "-h", "-o", "%P|%G|%m"] + (["-p", partition] if partition else [])
@@ -186,11 +199,31 @@ def _slurm_cpu_profile(partition: str | None, tasks_per_node: int):
         raise ConfigError("layout=auto: sinfo names no nodes for this job's partition")
     _, gres, memory = lines[0]
     if gres not in ("(null)", ""):
-        raise ConfigError(f"layout=auto on SLURM GPU nodes ({gres}) is not built yet: plan with "
-                          "plan.py plan.search=true plan.gpus=<GPUs> and set the layout")
+        return gres_profile(gres, tasks_per_node)
     profile = cpu_profile(tasks_per_node)
     return dataclasses.replace(profile, hbm_bytes=int(memory.rstrip("+")) * MiB
                                // tasks_per_node)
+
+
+def gres_profile(gres: str, tasks_per_node: int):
+    """The GPU profile of a node's GRES as sinfo prints it (``gpu:h100:8(S:0-1)``,
+    ``gpu:a100_80gb:4``): its type names the profile, its tasks the GPUs per node."""
+    from automodel.planning.gpus import profile
+
+    for entry in gres.split(","):
+        parts = entry.split("(")[0].split(":")
+        if parts[0] != "gpu":
+            continue
+        kind = parts[1].lower() if len(parts) == 3 else ""
+        for part, known in GPU_PROFILES:
+            if kind.startswith(part.lower()):
+                return profile(known, gpus_per_node=tasks_per_node)
+        raise ConfigError(
+            f"layout=auto: the nodes' GRES {gres!r} names no GPU type the planner has a profile "
+            f"for ({', '.join(k for _, k in GPU_PROFILES)}); plan with plan.py plan.search=true "
+            "plan.gpus=<GPUs> plan.gpu=<profile> and set the layout (drop layout=auto)")
+    raise ConfigError(f"layout=auto: the nodes' GRES {gres!r} holds no GPU (gpu:<type>:<n>); "
+                      "plan with plan.py plan.search=true plan.gpus=<GPUs> and set the layout")
 
 
 def _search(cfg: TrainConfig, base: list[str], bounds: dict, world: int, gpu) -> dict:
@@ -202,13 +235,17 @@ def _search(cfg: TrainConfig, base: list[str], bounds: dict, world: int, gpu) ->
         "model": dataclasses.asdict(cfg.model), "seq_len": cfg.trainer.seq_len,
         "batch": cfg.trainer.global_batch_size, "mp": str(cfg.mp_policy),
         "peft": dataclasses.asdict(cfg.peft), "strategy": cfg.strategy.name,
-        "gpu": gpu.as_dict(), "world": world, "bounds": bounds}, sort_keys=True,
+        "gpu": gpu.as_dict(), "world": world, "bounds": bounds, "version": 2},
+        sort_keys=True,
         default=str).encode()).hexdigest()[:16]
     path = _cache_dir() / f"{key}.json"
     if path.exists():
         log.info("layout=auto: the search of this model, shapes and %d %s ranks ran before: "
                  "reusing %s", world, gpu.name, path)
-        return json.loads(path.read_text())
+        result = json.loads(path.read_text())
+        for e in result["top"] + result.get("refused_in_full", []):  # (this job's commands)
+            e["command"] = " ".join(["python train.py", *base, *e["overrides"]])
+        return result
     from automodel.planning.cli import start_simulation_server
 
     train = _resolve([o for o in base if not o.startswith("distributed.nproc_per_node=")]
@@ -256,6 +293,9 @@ def write_choice(output_dir: str, result: dict, chosen: dict) -> None:
     plan = {"layout": chosen["candidate"], "overrides": chosen["overrides"],
             "command": chosen["command"], "estimate": chosen,
             "planned": result.get("best_planned")}
+    if plan["planned"] and "check" in plan["planned"]:  # (what the run compares itself with)
+        plan["planned"] = dict(plan["planned"])
+        plan["check"] = plan["planned"].pop("check")
     with open(os.path.join(output_dir, "plan.json"), "w") as f:
         json.dump(plan, f, indent=1)
     peak = chosen["peak_bytes"]

@@ -82,6 +82,12 @@ def preflight_job(launcher, overrides: list, idx: int) -> tuple[int, list[str]]:
         with open_dict(cfg.hydra.job):
             cfg.hydra.job.num = idx
         job = resolve_hydra_job(cfg, cfg.hydra, output_dir, multirun=True, env=env)
+    elif job.trainer.plan_check_steps:  # (planned here, once: its tasks compare)
+        from automodel.launch.auto_layout import slurm_profile
+        from automodel.launch.plan_first import plan_job
+
+        p = launcher.params
+        plan_job(job, slurm_profile(p.get("partition"), p["tasks_per_node"]))
     preflight(job, gpus=job_gpus(launcher.params))
     return job.distributed.max_restarts, chosen
 

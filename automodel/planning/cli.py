@@ -118,6 +118,8 @@ def _run(cfg, hc):
 
     train_cfg, plan_cfg = split_plan_node(cfg)
     gpu = profile(plan_cfg.gpu, **plan_cfg.gpu_spec)
+    if plan_cfg.calibrate_from is not None:
+        gpu, plan_cfg = calibrated(plan_cfg, list(hc.overrides.task))
     start_simulation_server(train_cfg)
     out = hc.runtime.output_dir
     if plan_cfg.search:
@@ -136,6 +138,28 @@ def _run(cfg, hc):
     write_plan(result, out, plan_cfg.picture)
     print(summary(result))
     return result
+
+
+def calibrated(plan_cfg: PlanConfig, overrides: list[str]) -> tuple:
+    """(the device profile, ``plan_cfg`` with the calibration) of ``plan.calibrate_from``: the
+    run's device and its fitted efficiencies, under the keys of ``plan.calibration``."""
+    import dataclasses
+
+    from automodel.planning.calibrate import read_calibration
+    from automodel.planning.gpus import GpuProfile
+
+    device, fitted = read_calibration(plan_cfg.calibrate_from)
+    named = [o for o in overrides if o.lstrip("+").startswith(("plan.gpu=", "plan.gpu_spec"))]
+    if named and (plan_cfg.gpu != device["name"] or plan_cfg.gpu_spec):
+        raise ConfigError(f"plan.calibrate_from={plan_cfg.calibrate_from} was measured on "
+                          f"{device['name']} ranks, and {' '.join(named)} plans another "
+                          "device: a calibration holds for the device it was measured on. "
+                          "Drop it, or calibrate from a run on that device")
+    calibration = {**fitted, **plan_cfg.calibration}
+    log.info("plan.calibrate_from=%s: planning on its %s profile with %s", plan_cfg.calibrate_from,
+             device["name"], ", ".join(f"{k}={v:.3g}" for k, v in calibration.items()
+                                      if isinstance(v, float)))
+    return GpuProfile(**device), dataclasses.replace(plan_cfg, calibration=calibration)
 
 
 # What a simulation worker imports beyond the fork server's own list (automodel/launch)

@@ -272,6 +272,11 @@ def model_summary(cfg: TrainConfig) -> dict:
 def command_line(cfg: TrainConfig) -> str:
     """The train.py command line that runs what this plan describes: the overrides planned,
     with the mesh spelled out (so the layout does not depend on the world it starts in)."""
+    return " ".join(["python train.py", *spelled_overrides(cfg)])
+
+
+def spelled_overrides(cfg: TrainConfig) -> list[str]:
+    """``cfg``'s overrides with its mesh spelled out (``command_line``'s)."""
     lay = cfg.layout
     mesh = {"dp_size": lay.dp, "dp_replicate_size": lay.dp_replicate, "tp_size": lay.tp,
             "cp_size": lay.cp, "cp_ulysses_size": lay.cp_ulysses, "pp_size": lay.pp,
@@ -281,4 +286,4 @@ def command_line(cfg: TrainConfig) -> str:
     kept = without_keys(cfg.overrides, ("mesh.", "plan."))
     spelled = [f"mesh.{k}={v}" for k, v in mesh.items()
                if v > 1 or k in ("dp_size", "pp_size") and cfg.pipeline is not None]
-    return " ".join(["python train.py", *kept, *spelled])
+    return [*kept, *spelled]

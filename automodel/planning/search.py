@@ -295,7 +295,8 @@ def search_layouts(train, gpu: GpuProfile, plan_cfg, keep=None, base=None) -> di
     top = [e for e in fitting if all(e is not r for r in refused)][:plan_cfg.top]
     for e in top + refused:
         e["command"] = " ".join(["python train.py", *base, *e["overrides"]])
-    result = {"gpus": plan_cfg.gpus, "gpu": gpu.as_dict(), "searched": len(found),
+    result = {"gpus": plan_cfg.gpus, "gpu": gpu.as_dict(),
+              "calibration": dict(plan_cfg.calibration), "searched": len(found),
               "estimated": len(probed.estimates), "pruned": probed.pruned,
               "fitting": len(fitting), "top": top, "refused_in_full": refused,
               "probes": {key.name: dataclasses.asdict(c) for key, c in probed.costs.items()}}
@@ -341,6 +342,7 @@ def _confirm(base: list[str], best: dict, gpu: GpuProfile, plan_cfg) -> dict:
     """The layout planned in full, by the simulation of the pipeline ranks (rank classes)
     that decide it: the one of the largest estimated peak and the slowest (every class of a
     plan would cost each pipeline rank's simulation; ``plan.py`` plans them all)."""
+    from automodel.planning.calibrate import check_entry
     from automodel.planning.plan import make_plan
 
     ranks = best["ranks"]
@@ -352,7 +354,8 @@ def _confirm(base: list[str], best: dict, gpu: GpuProfile, plan_cfg) -> dict:
             "peak_bytes": max(r["peak_bytes"] for r in plan["ranks"]),
             "ranks_planned": [r["name"] for r in plan["ranks"]],
             "estimated_peak_bytes": best["peak_bytes"],
-            "estimated_step_time_s": best["step_time_s"], "warnings": plan["warnings"]}
+            "estimated_step_time_s": best["step_time_s"], "warnings": plan["warnings"],
+            "check": check_entry(plan)}
 
 
 def layout_words(c: dict) -> str:

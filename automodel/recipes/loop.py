@@ -27,6 +27,7 @@ from automodel.recipes.step import train_step
 from automodel.recipes.step_log import StepLog
 from automodel.recipes.step_values import StepValues, read_step
 from automodel.tracking.memory import TensorPeak, tensor_peak_for
+from automodel.tracking.plan_check import PlanCheck, plan_check_for
 from automodel.tracking.profile import StepProfiler
 
 log = logging.getLogger("automodel")
@@ -49,6 +50,7 @@ class Run:
     number: int  # the number of the last step run (1-based; start_step before any)
     stopped_by: int | None = None  # the signal that stopped the run early
     tensor_peak: TensorPeak | None = None  # peak_tensor_bytes (trainer.track_tensor_memory)
+    plan_check: PlanCheck | None = None  # the plan beside the run (trainer.plan_check_steps)
 
     @property
     def info(self) -> DistInfo:
@@ -104,7 +106,9 @@ def start_run(cfg: TrainConfig, setup: DistributedSetup, parts: Components, outp
     return Run(cfg, setup, parts, steplog, stop, profiler, batches, start_step, last_step,
                saved_step=start_step, number=start_step,
                tensor_peak=tensor_peak_for(info.device, t.track_tensor_memory,
-                                           parts.parallel.parts, parts.optimizer.optimizers))
+                                           parts.parallel.parts, parts.optimizer.optimizers),
+               plan_check=plan_check_for(cfg, setup, output_dir, start_step,
+                                         setup.process_group))
 
 
 def run_steps(run: Run) -> None:
@@ -121,6 +125,8 @@ def run_steps(run: Run) -> None:
             eval_loss = parts.evaluator(parts.parallel.parts)
             set_phase(f"step {number}")
         run.steplog.step(number, values, lr, seconds, parts.plan.epochs(number), eval_loss)
+        if run.plan_check is not None:
+            run.plan_check.after(number, seconds, values)
         if step == run.start_step:  # start-up (compile, loads, W&B start) is over
             set_collective_timeout(run.info.timeout, run.group)
         if every and number % every == 0:
@@ -144,8 +150,11 @@ def one_step(run: Run, step: int) -> tuple[StepValues, float, float]:
     started = time.perf_counter()
     lr = parts.scheduler.get_last_lr()[0]
     micro = run.batches.get(step)
-    with (run.tensor_peak.window(micro) if run.tensor_peak is not None
-          else contextlib.nullcontext()):
+    with contextlib.ExitStack() as windows:
+        if run.plan_check is not None:
+            windows.enter_context(run.plan_check.window(number))
+        if run.tensor_peak is not None:
+            windows.enter_context(run.tensor_peak.window(micro))
         values = _step_and_update(run, number, micro)
     parts.scheduler.step()
     run.profiler.end(number)

@@ -21,7 +21,8 @@ TINY = ["distributed.backend=gloo", "trainer.max_steps=3", "trainer.log_every=1"
 
 
 BOUNDED = ["layout=auto", "distributed.nproc_per_node=4", "mesh.tp_size=2",
-           "parallelism.activation_checkpointing=full", *TINY]
+           "parallelism.activation_checkpointing=full", "trainer.track_tensor_memory=true",
+           *TINY]
 
 
 def test_layout_auto_on_four_ranks_trains_the_printed_layout(tmp_path, monkeypatch, caplog):
@@ -55,6 +56,8 @@ def test_layout_auto_on_four_ranks_trains_the_printed_layout(tmp_path, monkeypat
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text()
              .splitlines()]
     assert steps == [1, 2, 3]
+    assert "trainer.plan_check_steps=3" in command  # (layout=auto checks its plan by default)
+    assert_plan_check(run)
     # the same search again: the cache's (no probe runs; the choice is the same)
     monkeypatch.setenv("AUTOMODEL_CACHE", str(cache))
     caplog.set_level(logging.INFO, logger="automodel")
@@ -66,6 +69,20 @@ def test_layout_auto_on_four_ranks_trains_the_printed_layout(tmp_path, monkeypat
     assert (job.layout.tp, job.activation_checkpointing, job.layout_mode) == \
         (2, "full", "manual")
     assert json.loads((again / "plan.json").read_text())["overrides"] == plan["overrides"]
+
+
+def assert_plan_check(run) -> None:
+    """The run compared itself with the plan of its chosen layout: every planned rank class's
+    peak within the planner's accuracy, its bytes per mesh axis the plan's."""
+    record = json.loads((run / "plan_check.json").read_text())
+    assert record["comparison"]["ranks"], record
+    for r in record["comparison"]["ranks"]:
+        if r["peak_bytes"]["measured"] is not None:
+            assert 0.9 < r["peak_bytes"]["plan_over_run"] < 1.1, r
+        assert r["comm_bytes"], r
+        for axis, c in r["comm_bytes"].items():
+            assert c["measured"] == pytest.approx(c["predicted"], rel=0.01), (axis, r)
+    assert "plan check (steps" in (run / "train.log").read_text()
 
 
 def _env():

@@ -235,8 +235,11 @@ def test_layout_auto_on_two_nodes_searches_at_submit_and_keeps_tp_within_a_node(
     overrides = (sweep / "0" / ".hydra" / "overrides.yaml").read_text()
     assert "layout=manual" in overrides and all(o in overrides for o in plan["overrides"])
     assert len(losses(sweep / "0" / "metrics.jsonl")) == 5
-    # the nodes' memory: the named partition's, else the default one's (debug, marked by sinfo)
-    from automodel.launch.auto_layout import _slurm_cpu_profile
+    from tests.launch.test_auto_layout import assert_plan_check
 
-    assert search["gpu"]["hbm_bytes"] == _slurm_cpu_profile("two", 2).hbm_bytes
-    assert _slurm_cpu_profile(None, 2).hbm_bytes > _slurm_cpu_profile("two", 2).hbm_bytes
+    assert_plan_check(sweep / "0")  # (the submitter's plan, checked by the tasks)
+    # the nodes' memory: the named partition's, else the default one's (debug, marked by sinfo)
+    from automodel.launch.auto_layout import slurm_profile
+
+    assert search["gpu"]["hbm_bytes"] == slurm_profile("two", 2).hbm_bytes
+    assert slurm_profile(None, 2).hbm_bytes > slurm_profile("two", 2).hbm_bytes

@@ -1,0 +1,91 @@
+"""A planned run: the job's plan made once, before any rank starts, for the ranks to compare
+themselves with (``trainer.plan_check_steps``; ``tracking/plan_check.py`` measures).
+
+- ``layout=auto``: the search's plan of the chosen layout is the run's (``auto_layout``);
+  the check is on unless the user set ``trainer.plan_check_steps`` (``auto_check_overrides``).
+- A manual layout with ``trainer.plan_check_steps=N``: the launching process (``python
+  train.py``'s local launch, or the SLURM submitter) plans the job on the device profile of
+  the ranks it starts, and writes ``plan.json`` beside the run.
+- Ranks an outer launcher started (torchrun, a plain srun) need a ``plan.json`` already in
+  the run's folder: each would otherwise plan alone.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+from automodel.config.build import ConfigError
+from automodel.config.resolve import TrainConfig
+
+log = logging.getLogger("automodel")
+
+AUTO_CHECK_STEPS = 10  # layout=auto's default trainer.plan_check_steps
+
+
+def auto_check_overrides(cfg: TrainConfig) -> list[str]:
+    """The ``trainer.plan_check_steps`` a ``layout=auto`` job runs with (the user's, else
+    ``AUTO_CHECK_STEPS`` within its steps; fewer than 3 steps: off)."""
+    if any(o.lstrip("+").startswith("trainer.plan_check_steps=") for o in cfg.overrides):
+        return []
+    steps = min(AUTO_CHECK_STEPS, cfg.trainer.max_steps)
+    return [f"trainer.plan_check_steps={steps if steps >= 3 else 0}"]
+
+
+def ensure_plan(cfg: TrainConfig) -> None:
+    """Before the ranks of a manual layout with ``trainer.plan_check_steps`` start: plan the
+    job here (a local launch), or check that its plan lies beside the run (ranks an outer
+    launcher started)."""
+    if not cfg.trainer.plan_check_steps:
+        return
+    if cfg.launch.external:
+        if not _has_check(cfg.output_dir):
+            raise ConfigError(
+                f"trainer.plan_check_steps={cfg.trainer.plan_check_steps} under "
+                f"{cfg.launch.kind}: the plan is made once, before the ranks start, and "
+                f"{os.path.join(cfg.output_dir, 'plan.json')} holds none. Launch with python "
+                "train.py (local ranks) or python train.py -m hydra/launcher=slurm, or set "
+                "trainer.plan_check_steps=0")
+        return
+    from automodel.launch.auto_layout import local_profile
+
+    plan_job(cfg, local_profile(cfg))
+
+
+def plan_job(cfg: TrainConfig, profile) -> dict:
+    """``cfg``'s job planned on ``profile``; ``plan.json`` (with its check entry) written
+    beside the run."""
+    from automodel.planning.calibrate import check_entry
+    from automodel.planning.plan import make_plan, spelled_overrides
+    from automodel.planning.search import _resolve
+    from automodel.planning.supported import check_plannable
+
+    job = _resolve(spelled_overrides(cfg) + ["layout=manual"])
+    try:
+        check_plannable(job)
+    except ConfigError as err:
+        raise ConfigError(f"trainer.plan_check_steps={cfg.trainer.plan_check_steps}: this "
+                          f"job cannot be planned: {err}\nSet trainer.plan_check_steps=0") \
+            from None
+    log.info("planning the job before it starts (trainer.plan_check_steps=%d) on %d %s rank%s",
+             cfg.trainer.plan_check_steps, cfg.layout.world_size, profile.name,
+             "s" if cfg.layout.world_size > 1 else "")
+    plan = make_plan(job, profile)
+    plan["check"] = check_entry(plan)
+    os.makedirs(cfg.output_dir, exist_ok=True)
+    path = os.path.join(cfg.output_dir, "plan.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(plan, f, indent=1)
+    os.replace(path + ".tmp", path)
+    log.info("planned: %.3g s/step, peak %.1f MiB per rank (%s)", plan["step_time_s"],
+             max(r["peak_bytes"] for r in plan["ranks"]) / 2**20, path)
+    return plan
+
+
+def _has_check(output_dir: str) -> bool:
+    path = os.path.join(output_dir, "plan.json")
+    if not os.path.isfile(path):
+        return False
+    with open(path) as f:
+        return "check" in json.load(f)

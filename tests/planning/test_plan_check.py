@@ -1,0 +1,128 @@
+"""The plan beside the run (``trainer.plan_check_steps``; automodel/launch/plan_first.py,
+automodel/tracking/plan_check.py, automodel/planning/calibrate.py): a planned run measures what
+its plan predicted, and ``plan.calibrate_from`` plans with what it measured.
+
+Real runs of 2 CPU ranks under the default bf16 policy (train.py, a pipeline of two rank
+classes), real plans and a real search (plan.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from automodel.api import load_config
+from automodel.config.build import ConfigError
+from tests.cli.test_cli import ROOT
+from tests.planning.test_plan_cli import plan_cli
+
+JOB = ["distributed.nproc_per_node=2", "distributed.backend=gloo", "mesh.pp_size=2",
+       "pipeline=1f1b", "trainer.max_steps=5", "trainer.log_every=1", "data=synthetic"]
+
+
+def test_a_planned_run_compares_itself_with_its_plan_and_calibrates_the_next(tmp_path):
+    run = tmp_path / "run"
+    out = subprocess.run([sys.executable, str(ROOT / "train.py"), *JOB,
+                          "trainer.plan_check_steps=5", "trainer.track_tensor_memory=true",
+                          f"hydra.run.dir={run}"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    plan = json.loads((run / "plan.json").read_text())
+    record = json.loads((run / "plan_check.json").read_text())
+    measured, comparison = record["measured"], record["comparison"]
+    assert measured["steps_timed"] == [3, 5] and len(measured["step_seconds"]) == 3
+    assert record["check"] == plan["check"]
+    # per rank class (the two pipeline ranks): the peak within the planner's accuracy, and
+    # the bytes the pipeline sends and receives, counted on step 2, exactly the plan's
+    names = [r["name"] for r in comparison["ranks"]]
+    assert names == ["pp rank 0", "pp rank 1"]
+    for r, planned in zip(comparison["ranks"], plan["ranks"]):
+        assert r["peak_bytes"]["predicted"] == planned["peak_bytes"]
+        assert 0.9 < r["peak_bytes"]["plan_over_run"] < 1.1, r
+        assert r["comm_bytes"]["pp"]["measured"] == r["comm_bytes"]["pp"]["predicted"] > 0
+        assert set(r["comm_bytes"]) == {"pp"}  # (the step's own read is not training traffic)
+    log = (run / "train.log").read_text()
+    assert "plan check (steps 3-5 timed, step 2's bytes counted): step time" in log
+    assert "pp rank 1: peak" in log and "plan.calibrate_from=" in log
+    # plan.py plans the same job on the run's device with the fitted efficiency: its step
+    # time is the run's (the fit is exact; the run's own spread is the noise allowed)
+    fitted = record["calibration"]["compute_efficiency"]
+    assert 0 < fitted < 1 and fitted != plan["gpu"]["compute_efficiency"]
+    again = plan_cli([*JOB, f"plan.calibrate_from={run}", "plan.picture=false"],
+                     tmp_path / "plan")
+    assert again.returncode == 0, again.stderr[-3000:]
+    calibrated = json.loads((tmp_path / "plan" / "plan.json").read_text())
+    assert calibrated["gpu"] == plan["gpu"] and calibrated["calibration"]["compute_efficiency"] \
+        == fitted
+    noise = max(measured["step_time_spread_s"], 1e-3 * measured["step_time_s"])
+    assert abs(calibrated["step_time_s"] - measured["step_time_s"]) <= noise
+    assert abs(plan["step_time_s"] - measured["step_time_s"]) > noise  # (before: far off)
+    # the search ranks with the measured efficiency too
+    search = plan_cli(["distributed.backend=gloo", "trainer.max_steps=5", "data=synthetic",
+                       "plan.search=true", "plan.gpus=2", "plan.top=2",
+                       f"plan.calibrate_from={run}"], tmp_path / "search")
+    assert search.returncode == 0, search.stderr[-3000:]
+    result = json.loads((tmp_path / "search" / "search.json").read_text())
+    assert result["calibration"]["compute_efficiency"] == fitted
+    assert result["gpu"]["name"] == "cpu"
+    assert result["top"][0]["step_time_s"] > 5 * plan["step_time_s"]  # (slow, as measured)
+
+
+@pytest.mark.fast
+def test_plan_check_keys_are_checked_and_outer_launchers_need_a_plan(tmp_path):
+    from automodel.launch.plan_first import auto_check_overrides, ensure_plan
+
+    with pytest.raises(ConfigError, match=r"trainer.plan_check_steps=2: 0 \(off\) or 3"):
+        load_config(["trainer.plan_check_steps=2"])
+    torchrun = {"TORCHELASTIC_RUN_ID": "x", "RANK": "0", "WORLD_SIZE": "2",
+                "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "CUDA_VISIBLE_DEVICES": ""}
+    cfg = load_config(["trainer.plan_check_steps=5"], env=torchrun, output_dir=str(tmp_path))
+    with pytest.raises(ConfigError, match="under torchrun: the plan is made once"):
+        ensure_plan(cfg)
+    (tmp_path / "plan.json").write_text(json.dumps({"check": {}}))
+    ensure_plan(cfg)  # (a plan beside the run: the ranks compare with it)
+    # layout=auto checks by default, within the run's steps; the user's setting wins
+    assert auto_check_overrides(load_config(["layout=auto"])) == ["trainer.plan_check_steps=10"]
+    assert auto_check_overrides(load_config(["layout=auto", "trainer.max_steps=2"])) == \
+        ["trainer.plan_check_steps=0"]
+    assert auto_check_overrides(load_config(["layout=auto", "trainer.plan_check_steps=0"])) \
+        == []
+
+
+@pytest.mark.fast
+def test_calibration_fits_compute_then_communication(tmp_path):
+    from automodel.planning.calibrate import fit_calibration, predicted_step, read_calibration
+    from automodel.planning.gpus import profile
+
+    check = {"gpu": profile("h100_80gb").as_dict(), "calibration": {}, "bubble": 0.0,
+             "sizes": {"tp": 8}, "step_time_s": None,
+             "ranks": [{"name": "every rank", "example_rank": 0, "count": 8,
+                        "flops": 4.0e14, "comm_bytes_per_step": {"tp": {"all_reduce": 4e11}}}]}
+    for measured in (3.0, 5.0):
+        fitted, note = fit_calibration(check, measured)
+        assert predicted_step(check, fitted) == pytest.approx(measured, rel=1e-6)
+        assert note == "compute_efficiency fitted to the measured step"
+    # faster than the communication allows at the profile's comm efficiency: compute at 1,
+    # the communication's efficiency fitted
+    comm_bound, note = fit_calibration(check, 2.2)
+    assert comm_bound["compute_efficiency"] == 1.0 and "comm_efficiency fitted" in note
+    assert predicted_step(check, comm_bound) == pytest.approx(2.2, rel=1e-6)
+    nearest, note = fit_calibration(check, 1.2)  # (faster than the links at their peak)
+    assert nearest["comm_efficiency"] == 1.0 and "still 1.63x the run" in note
+    with pytest.raises(ConfigError, match="no plan_check.json there"):
+        read_calibration(str(tmp_path))
+
+
+@pytest.mark.fast
+def test_slurm_gpu_nodes_are_planned_on_their_gres_type():
+    from automodel.launch.auto_layout import gres_profile
+
+    h100 = gres_profile("gpu:h100:8(S:0-1)", 8)
+    assert (h100.name, h100.gpus_per_node) == ("h100_80gb", 8)
+    assert gres_profile("shard:2,gpu:a100_80gb:4", 4).name == "a100_80gb"
+    with pytest.raises(ConfigError, match="names no GPU type"):
+        gres_profile("gpu:8", 8)
+    with pytest.raises(ConfigError, match="names no GPU type"):
+        gres_profile("gpu:v100:8", 8)
