@@ -18,7 +18,7 @@ from automodel.config.schema import OptimConfig
 
 def build_optimizer(params, cfg: OptimConfig) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
-                             weight_decay=cfg.weight_decay)
+                             weight_decay=cfg.weight_decay, foreach=cfg.foreach)
 
 
 def lr_factor(step: int, cfg: OptimConfig, max_steps: int) -> float:

@@ -302,6 +302,10 @@ class OptimConfig:
     warmup_steps: int = 10
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at max_steps
     max_grad_norm: Optional[float] = 1.0  # null = no clipping (the norm is still logged)
+    # AdamW's multi-tensor path: true = a group's tensors updated together (fast; temporaries
+    # the size of a state) | false = one parameter at a time | null = torch's choice (true on
+    # a GPU, false on the CPU)
+    foreach: Optional[bool] = None
 
 
 @dataclass

@@ -29,7 +29,9 @@ class GpuProfile:
     intra_node_bandwidth: float  # NVLink, per GPU, one direction, B/s
     inter_node_bandwidth: float  # the node's network per GPU, one direction, B/s
     gpus_per_node: int = 8
-    compute_efficiency: float = 0.45  # achieved / peak FLOP/s over a transformer step
+    # achieved / peak FLOP/s over a transformer step, fitted to a published training run on
+    # this GPU (benchmarks/published_runs.py; docs/planning.md, "GPU profiles")
+    compute_efficiency: float = 0.30
     comm_efficiency: float = 0.75  # achieved bus bandwidth / link bandwidth
     overhead_bytes: int = 3 * GiB  # what no tensor tracker sees: CUDA context, NCCL, ...
     overhead_fraction: float = 0.05  # ... plus allocator fragmentation, a share of the peak
@@ -63,20 +65,28 @@ _NDR_PER_GPU = 50e9  # one ConnectX-7 400 Gb/s NIC per GPU (DGX H100, H200, B200
 
 PROFILES: dict[str, GpuProfile] = {
     p.name: p for p in (
+        # torchtitan's Llama-3.1-8B FSDP on 8 H100s (5,762 tokens/s/GPU): 0.306
         GpuProfile("h100_80gb", peak_bf16_flops=989.4e12, hbm_bytes=81559 * MiB,
                    hbm_bandwidth=3.35e12, intra_node_bandwidth=_NVLINK4,
-                   inter_node_bandwidth=_NDR_PER_GPU),
+                   inter_node_bandwidth=_NDR_PER_GPU, compute_efficiency=0.30),
+        # this project's 0.95B Llama, FSDP2 on one H200 (47.9k tokens/s): 0.281
         GpuProfile("h200", peak_bf16_flops=989.4e12, hbm_bytes=143771 * MiB,
                    hbm_bandwidth=4.8e12, intra_node_bandwidth=_NVLINK4,
-                   inter_node_bandwidth=_NDR_PER_GPU),
+                   inter_node_bandwidth=_NDR_PER_GPU, compute_efficiency=0.28),
+        # torchtitan's Llama-3-8B FSDP on 64 A100s (2,904 tokens/s/GPU): 0.49 for the compute
         GpuProfile("a100_80gb", peak_bf16_flops=312e12, hbm_bytes=81920 * MiB,
                    hbm_bandwidth=2.039e12, intra_node_bandwidth=300e9,  # NVLink 3: 600 GB/s
-                   inter_node_bandwidth=25e9),  # one ConnectX-6 200 Gb/s per GPU (DGX A100)
+                   inter_node_bandwidth=25e9,  # one ConnectX-6 200 Gb/s per GPU (DGX A100)
+                   compute_efficiency=0.48),
+        # no published FSDP training run found: H100's figure, unverified (UNVERIFIED)
         GpuProfile("b200", peak_bf16_flops=2.25e15, hbm_bytes=183359 * MiB,
                    hbm_bandwidth=8e12, intra_node_bandwidth=900e9,  # NVLink 5: 1.8 TB/s
-                   inter_node_bandwidth=_NDR_PER_GPU),
+                   inter_node_bandwidth=_NDR_PER_GPU, compute_efficiency=0.30),
     )
 }
+
+# profiles whose compute_efficiency no published run of that GPU supports (a plan's note says so)
+UNVERIFIED = frozenset({"b200"})
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(GpuProfile) if f.name != "name")
 

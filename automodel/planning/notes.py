@@ -7,6 +7,16 @@ from automodel.config.resolve import TrainConfig
 from automodel.planning.strategies import STAND_IN_NOTES
 
 
+def _optimizer_note(cfg: TrainConfig) -> str:
+    if cfg.optim.foreach:
+        return ("AdamW simulated on its multi-tensor path (optim.foreach: a GPU's default), "
+                "its temporaries (about one state's size) counted in the optimizer step's peak; "
+                "freed after the step, the CUDA caching allocator keeps their blocks reserved, "
+                "so the reserved memory that nvidia-smi shows stays near peak + overhead")
+    return ("AdamW simulated one parameter at a time (optim.foreach false, or the CPU's "
+            "default): its temporaries are one parameter's")
+
+
 def plan_notes(cfg: TrainConfig, plan: dict) -> list[str]:
     notes = [
         "the step simulated is a steady one (the optimizer's states made first, as step 1 "
@@ -16,10 +26,16 @@ def plan_notes(cfg: TrainConfig, plan: dict) -> list[str]:
         "overhead_bytes + overhead_fraction x peak), not simulated",
         "step_time_s is the cost model's (docs/planning.md): no per-collective latency, no "
         "slowdown of compute by concurrent communication, no host-device copies",
-        "AdamW is simulated as it runs on the CPU (one parameter at a time); on a GPU it "
-        "updates all parameters of a group at once, with temporaries up to the size of its "
-        "states: a peak in the optimizer step can be that much higher",
+        _optimizer_note(cfg),
     ]
+    from automodel.planning.gpus import UNVERIFIED
+
+    gpu = plan["gpu"]["name"]
+    if gpu in UNVERIFIED and "compute_efficiency" not in plan["calibration"]:
+        notes.append(f"{gpu}: its compute_efficiency ({plan['gpu']['compute_efficiency']}) is "
+                     "H100's published figure, unverified on this GPU (no published training "
+                     "run found): calibrate it from a run (plan.calibrate_from=RUN_DIR, or "
+                     "plan.calibration.compute_efficiency)")
     if getattr(cfg.parallelism, "enable_compile", False):
         notes.append("parallelism.enable_compile=true: simulated in eager mode; compiled "
                      "blocks fuse kernels, which can hold fewer activation and temporary "

@@ -162,6 +162,18 @@ def _simulate(cfg: TrainConfig, rank: int) -> dict:
         raise RuntimeError("\n".join(cut + lines[-TRACEBACK_LINES:])) from None
 
 
+def device_path(cfg: TrainConfig, profile: GpuProfile) -> TrainConfig:
+    """``cfg`` as it runs on ``profile``'s device: on a GPU, AdamW takes its multi-tensor path
+    (``optim.foreach`` null: torch's choice there), whose temporaries the simulation then
+    counts; CPU ranks keep the per-parameter loop."""
+    import dataclasses
+
+    offloaded = cfg.offload_policy is not None and cfg.offload_policy.name == "CPUOffloadPolicy"
+    if profile.name == "cpu" or cfg.optim.foreach is not None or offloaded:
+        return cfg  # (offloaded: the optimizer steps on the host's copies, as on the CPU)
+    return dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, foreach=True))
+
+
 def layout_text(cfg: TrainConfig) -> str:
     """The layout in a few words: ``parallelism=fsdp2 pipeline=1f1b pp 2 x dp_shard 4``."""
     lay = layout_dict(cfg)
@@ -176,6 +188,7 @@ def make_plan(cfg: TrainConfig, profile: GpuProfile, calibration: dict | None = 
     """The plan of ``cfg`` on ``profile`` GPUs. ``simulations``: the classes' simulations
     when already made (the search re-costs them); ``only``: the indices of the rank classes
     to simulate, the others left out of the plan (the search's check of its estimate)."""
+    cfg = device_path(cfg, profile)
     classes = rank_classes(cfg)
     if only is not None:
         classes = [classes[i] for i in only]

@@ -320,8 +320,13 @@ def _probe_and_estimate(train, found: list, model: dict, job: dict, gpu: GpuProf
     from automodel.planning.prune import probe_and_estimate
 
     workers = plan_cfg.workers or os.cpu_count() or 1
+    from automodel.planning.plan import device_path
+
+    def resolve(overrides):  # (the optimizer's path on the planned device)
+        return device_path(_resolve(overrides), gpu)
+
     return probe_and_estimate(
-        found, lambda keys, wide: run_probes(train, keys, _resolve, plan_cfg.workers, wide),
+        found, lambda keys, wide: run_probes(train, keys, resolve, plan_cfg.workers, wide),
         lambda c, costs: estimate(c, costs, model, job, gpu, plan_cfg.calibration),
         keep=plan_cfg.top + CONFIRM_TRIES - 1, batch=2 * workers)
 

@@ -6,10 +6,12 @@ measured; the second's collectives are counted per mesh axis (a dispatch mode, t
 planner's own counter, which slows that step: it is not timed either); the others are timed
 (their median is the step time). Each rank's peak of live tensor bytes comes from the step's
 read (``peak_tensor_bytes``: the CUDA allocator's on a GPU; on the CPU only with
-``trainer.track_tensor_memory=true``), from the second step on. After step N the ranks' counts
-meet on rank 0 (one gather, once), which writes ``plan_check.json`` (the plan's check entry,
-what was measured, the two side by side, and the calibration that makes the plan's step
-time the run's, for ``plan.calibrate_from``) and logs the comparison.
+``trainer.track_tensor_memory=true``), of the timed steps (a step's read covers the previous
+step's optimizer step: step 2's would hold step 1's, which makes the optimizer's states).
+After step N the ranks' counts meet on rank 0 (one gather, once), which writes
+``plan_check.json`` (the plan's check entry, what was measured, the two side by side, and
+the calibration that makes the plan's step time the run's, for ``plan.calibrate_from``) and
+logs the comparison.
 """
 
 from __future__ import annotations
@@ -54,12 +56,11 @@ class PlanCheck:
 
     def after(self, number: int, seconds: float, values) -> None:
         """Step ``number`` ran in ``seconds``; ``values``: its ``StepValues``."""
-        if number > self.last or number < self.counted:
+        if number > self.last or number <= self.counted:
             return
-        if number > self.counted:
-            self.seconds.append(seconds)
-        by_rank = values.peak_tensor_bytes_by_rank
-        if by_rank is not None:
+        self.seconds.append(seconds)
+        by_rank = values.peak_tensor_bytes_by_rank  # (from step 3: step 2's window holds
+        if by_rank is not None:  # step 1's optimizer step, which makes the states)
             self.peaks = by_rank if self.peaks is None else [
                 max(a, b) for a, b in zip(self.peaks, by_rank)]
         if number == self.last:
