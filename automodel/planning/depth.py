@@ -20,9 +20,10 @@ at 4, where the peak of every layout tried grows by exactly one layer's cost
 
 Under a pipeline FSDP2 gathers each layer once a step and keeps it gathered through the
 schedule (``reshard_after_forward`` false, its default there): nothing is in flight around a
-layer, and from 2 and 3 layers per stage every number of the dense layouts tried equals the
-whole model's (the 70B plan of 512 ranks, pp 4 interleaved: in 37 s instead of 60). So such a
-job takes ``SHALLOW_GATHERED`` from ``MIN_LAYERS_GATHERED`` layers per stage. With
+layer, and from 1 and 2 layers per stage every number of the dense layouts tried equals the
+whole model's (1F1B, interleaved with tp 2 or with full AC; the 70B plan of 512 ranks, pp 4
+interleaved: in 37 s instead of 60 with 2 and 3 layers, less again with 1 and 2). So such a job
+takes ``SHALLOW_GATHERED`` from ``MIN_LAYERS_GATHERED`` layers per stage. With
 ``reshard_after_forward=true`` the edge returns (2 and 3 layers: 1% off), and the default pair
 is taken. (Mixtures of experts under a pipeline are within 1% of the whole model's peak with
 either pair; their layers' cost is not quite a line.)
@@ -37,7 +38,7 @@ from automodel.config.resolve import TrainConfig
 
 SHALLOW = (4, 5)  # layers per stage of the two shallow simulations
 MIN_LAYERS = 12  # per stage: below this the whole model is simulated (no time saved)
-SHALLOW_GATHERED = (2, 3)  # ... where FSDP2 keeps the pipeline's layers gathered all step
+SHALLOW_GATHERED = (1, 2)  # ... where FSDP2 keeps the pipeline's layers gathered all step
 MIN_LAYERS_GATHERED = 8
 # config keys that make layers differ (dense layers before MoE ones, attention patterns)
 PER_LAYER_KEYS = ("first_k_dense_replace", "mlp_only_layers", "layer_types",

@@ -49,24 +49,35 @@ def simulate_classes(cfg: TrainConfig, classes: list[RankClass],
                      workers: int | None = None, full_depth: bool = False) -> list[dict]:
     """Each class's rank simulated in a fresh process (a process group each), in parallel; a
     deep model of alike layers as two shallow copies, extended to its depth
-    (``planning/depth.py``), unless ``full_depth``."""
+    (``planning/depth.py``), and a pipeline of many micro-batches as two short runs of its
+    schedule, extended to its count (``planning/microbatches.py``), unless ``full_depth``."""
     from automodel.planning.depth import extend, shallow_config, shallow_depths
+    from automodel.planning.microbatches import microbatch_pair, with_microbatches
 
-    ranks = [c.rank for c in classes]
-    names = [c.name for c in classes]
+    counts = None if full_depth else microbatch_pair(cfg)
+    jobs = [cfg] if counts is None else [with_microbatches(cfg, k) for k in counts[:2]]
     depths = None if full_depth else shallow_depths(cfg)
-    if depths is None:
-        return simulate_configs([cfg] * len(classes), ranks, workers, names)
-    stages, sizes, pair = depths
-    n = len(classes)
-    configs = [shallow_config(cfg, k, stages) for k in pair for _ in classes]
-    sims = simulate_configs(configs, ranks * len(pair), workers, names * len(pair))
-    out = []
-    for a, b in zip(sims[:n], sims[n:]):
+    per_stage = [None] if depths is None else depths[2]
+    tasks = [(i, j, k) for i in range(len(classes)) for k in per_stage
+             for j in range(len(jobs))]
+    configs = [jobs[j] if k is None else shallow_config(jobs[j], k, depths[0])
+               for i, j, k in tasks]
+    names = [classes[i].name + ("" if counts is None else f" ({counts[j]} micro-batches)")
+             for i, j, k in tasks]
+    sims = dict(zip(tasks, simulate_configs(configs, [classes[i].rank for i, _, _ in tasks],
+                                            workers, names)))
+
+    def at_depth(i: int, j: int) -> dict:
+        if depths is None:
+            return sims[i, j, None]
+        a, b = (sims[i, j, k] for k in per_stage)
         held = len(a["stages"])
-        out.append(extend(a, b, pair[0] * held, pair[1] * held,
-                          sum(sizes[s] for s in a["stages"])))
-    return out
+        return extend(a, b, per_stage[0] * held, per_stage[1] * held,
+                      sum(depths[1][s] for s in a["stages"]))
+
+    if counts is None:
+        return [at_depth(i, 0) for i in range(len(classes))]
+    return [extend(at_depth(i, 0), at_depth(i, 1), *counts) for i in range(len(classes))]
 
 
 def simulate_configs(configs: list, ranks: list[int], workers: int | None = None,
