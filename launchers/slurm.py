@@ -124,6 +124,33 @@ def _request_problem(args) -> str | None:
          "cpus_per_task": "--cpus-per-task", "minutes": "--time-min"}))
 
 
+def resolve_job(args, output_dir: str) -> tuple:
+    """(the job's config, the overrides its tasks run) as its world will have them, checked
+    and preflighted before anything is submitted: ``layout=auto`` searched here for the
+    job's nodes (the chosen layout's overrides, ``layout=manual``); a job that checks its plan
+    (``trainer.plan_check_steps``) planned here; ``plan.json`` in ``output_dir``."""
+    from automodel.api import load_config
+    from automodel.launch.auto_layout import slurm_layout, slurm_profile
+    from automodel.launch.hydra_slurm import with_overrides
+    from automodel.launch.plan_first import plan_job
+    from automodel.launch.preflight import preflight
+    from automodel.launch.slurm import submit_env
+    from automodel.startup import without_collections
+
+    env = submit_env(args.nodes, args.tasks_per_node)
+    overrides = list(args.overrides)
+    with without_collections():
+        cfg = load_config(overrides, output_dir=output_dir, env=env)
+        if cfg.layout_mode == "auto":
+            overrides = with_overrides(overrides, slurm_layout(
+                cfg, args.nodes, args.tasks_per_node, output_dir, args.partition))
+            cfg = load_config(overrides, output_dir=output_dir, env=env)
+        elif cfg.trainer.plan_check_steps:
+            plan_job(cfg, slurm_profile(args.partition, args.tasks_per_node))
+        preflight(cfg, gpus=args.gpus_per_node)
+    return cfg, overrides
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m launchers.slurm", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -144,9 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
 
-    from automodel.api import load_config
     from automodel.config.build import ConfigError
-    from automodel.launch.slurm import job_script_parameters, job_states_refreshed, submit_env
+    from automodel.launch.slurm import job_script_parameters, job_states_refreshed
 
     problem = _request_problem(args)
     if problem is not None:
@@ -156,17 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     output_dir = str(Path(args.output_dir or Path("outputs") / "slurm" /
                           datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")).absolute())
     try:  # the whole preflight, against the world the job will have, before submitting
-        from automodel.launch.preflight import preflight
-        from automodel.startup import without_collections
-
-        with without_collections():
-            cfg = load_config(args.overrides, output_dir=output_dir,
-                              env=submit_env(args.nodes, args.tasks_per_node))
-            if cfg.layout_mode == "auto":
-                raise ConfigError("layout=auto: python -m launchers.slurm does not search yet; "
-                                  "submit with python train.py -m hydra/launcher=slurm "
-                                  "layout=auto ..., which searches before submitting")
-            preflight(cfg, gpus=args.gpus_per_node)
+        cfg, args.overrides = resolve_job(args, output_dir)
     except ConfigError as err:
         print(f"automodel: configuration error:\n{err}", file=sys.stderr)
         return 2

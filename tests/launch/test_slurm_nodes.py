@@ -214,11 +214,13 @@ def test_two_node_jobs_are_checked_before_submission(tmp_path):
     subprocess.run(["scancel", job_id], check=True)
 
 
-def test_layout_auto_on_two_nodes_searches_at_submit_and_keeps_tp_within_a_node(tmp_path):
+def test_layout_auto_on_two_nodes_searches_at_submit_and_keeps_tp_within_a_node(tmp_path,
+                                                                               monkeypatch):
     """``layout=auto`` on 2 nodes x 2 tasks: the submitter searches the layouts of 4 ranks in
     nodes of 2 (the nodes' memory from sinfo), none with tensor parallelism across the nodes;
     the job's tasks compose the chosen layout (no search of their own) and train it on both
-    nodes; its command, printed in plan.json, is the tasks' config."""
+    nodes; its command, printed in plan.json, is the tasks' config. ``python -m
+    launchers.slurm`` resolves the same job to the same layout (the search cached)."""
     sweep = tmp_path / "sweep"
     out = run(["-m", *TWO_NODES, "layout=auto", f"hydra.sweep.dir={sweep}"] + BASE, tmp_path,
               timeout=900, env_extra={"AUTOMODEL_CACHE": str(tmp_path / "cache")})
@@ -243,3 +245,16 @@ def test_layout_auto_on_two_nodes_searches_at_submit_and_keeps_tp_within_a_node(
 
     assert search["gpu"]["hbm_bytes"] == slurm_profile("two", 2).hbm_bytes
     assert slurm_profile(None, 2).hbm_bytes > slurm_profile("two", 2).hbm_bytes
+    # the submitter of launchers.slurm: the same search (cached), the job's overrides
+    import argparse
+
+    from launchers.slurm import resolve_job
+
+    monkeypatch.setenv("AUTOMODEL_CACHE", str(tmp_path / "cache"))
+    args = argparse.Namespace(nodes=2, tasks_per_node=2, partition="two", gpus_per_node=None,
+                              overrides=["layout=auto", *BASE])
+    cfg, submitted = resolve_job(args, str(tmp_path / "direct"))
+    assert cfg.layout_mode == "manual" and "layout=manual" in submitted
+    assert all(o in submitted for o in plan["overrides"]) and cfg.layout.world_size == 4
+    direct = json.loads((tmp_path / "direct" / "plan.json").read_text())
+    assert direct["overrides"] == plan["overrides"] and "check" in direct
