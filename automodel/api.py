@@ -42,8 +42,15 @@ def load_config(overrides: list[str] | None = None, output_dir: str = ".", env=N
 def run(overrides: list[str] | None = None, output_dir: str = "."):
     """Train as ``python train.py <overrides>`` would; returns rank 0's metric records."""
     from automodel.launch.local import launch
+    from automodel.launch.plan_first import ensure_plan
     from automodel.launch.preflight import preflight
 
     cfg = load_config(overrides, output_dir)
+    if cfg.layout_mode == "auto":
+        from automodel.config.build import ConfigError
+
+        raise ConfigError("layout=auto: automodel.api.run trains the layout it is given; "
+                          "launch with python train.py layout=auto (which searches first)")
+    ensure_plan(cfg)  # (trainer.plan_check_steps: the plan, before any rank starts)
     preflight(cfg)
     return launch(cfg)

@@ -41,8 +41,14 @@ class PlanCheck:
         self.comm = None
         self.check = None
         if setup.dist.is_main:
-            with open(os.path.join(output_dir, "plan.json")) as f:
-                self.check = json.load(f)["check"]
+            path = os.path.join(output_dir, "plan.json")
+            if os.path.isfile(path):
+                with open(path) as f:
+                    self.check = json.load(f).get("check")
+            if self.check is None:  # (the launch refuses this; a run started otherwise)
+                log.warning("trainer.plan_check_steps=%d: %s holds no plan to compare with "
+                            "(the launch plans the job before the ranks start): no plan check",
+                            n, path)
 
     def window(self, number: int):
         """Around step ``number``'s work: the collectives of the counted step are counted."""

@@ -13,14 +13,17 @@ from automodel.planning.microbatches import microbatch_pair
 
 PP2 = ["distributed.nproc_per_node=2", "mesh.pp_size=2", "data=synthetic",
        "trainer.global_batch_size=10"]
+# (cut to 1 and 2 layers a stage from 4 layers a stage here, where the planner waits for 8:
+# the line is the same, and the whole model's simulation to compare with half as long)
+SHALLOW_FROM = 4
 LAYOUTS = {
-    # 16 layers a stage over tp 2, 1F1B: cut to 1 and 2 layers a stage too (four short runs)
+    # 4 layers a stage over tp 2, 1F1B: cut to 1 and 2 layers a stage too (four short runs)
     "deep_1f1b_tp2": ["distributed.nproc_per_node=4", "mesh.pp_size=2", "mesh.tp_size=2",
-                      "pipeline=1f1b", "model.config.num_hidden_layers=16", "data=synthetic",
+                      "pipeline=1f1b", "model.config.num_hidden_layers=8", "data=synthetic",
                       "trainer.global_batch_size=10"],
     # interleaved (two stages a rank: 3 pp and 4 pp micro-batches), full AC, cut as well
     "deep_interleaved_ac": [*PP2[:3], "pipeline=interleaved", "trainer.global_batch_size=14",
-                            "model.config.num_hidden_layers=32",
+                            "model.config.num_hidden_layers=16",
                             "parallelism.activation_checkpointing=full"],
     # an image-text model (never cut): its image batches along the line too
     "image_text_1f1b": [*PP2, "pipeline=1f1b", "model=llava_tiny", "data.image_every=2"],
@@ -38,10 +41,13 @@ def numbers(d: dict, prefix: str = "") -> dict:
 
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
-def test_two_short_schedules_extend_to_the_whole_one(name):
+def test_two_short_schedules_extend_to_the_whole_one(name, monkeypatch):
+    from automodel.planning import depth
     from automodel.planning.plan import rank_classes, simulate_classes
 
+    monkeypatch.setattr(depth, "MIN_LAYERS_GATHERED", SHALLOW_FROM)
     cfg = load_config(LAYOUTS[name], env={"CUDA_VISIBLE_DEVICES": ""})
+    assert (depth.shallow_depths(cfg) is None) == ("image_text" in name)  # (cut: the deep)
     pp, v = cfg.layout.pp, 2 if "interleaved" in name else 1
     assert microbatch_pair(cfg) == ((v + 1) * pp, (v + 2) * pp, (2 * v + 3) * pp)  # (taken)
     classes = rank_classes(cfg)
