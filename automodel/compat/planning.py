@@ -175,6 +175,46 @@ def pipeline_warmup_without_peers():
         schedules._PipelineSchedule._warmup_p2p = original
 
 
+_HELD_SENDS = "plan.py with a pipeline (sent tensors held until their sends are waited)"
+INTERNALS += [
+    Internal(_SCHEDULES, "_batch_p2p", _HELD_SENDS, params=("p2p_ops", "desc")),
+    Internal(_SCHEDULES, "_wait_batch_p2p", _HELD_SENDS, params=("work",)),
+]
+
+
+@contextlib.contextmanager
+def sends_held_until_waited():
+    """A real process group's send keeps its tensor alive until the send's work is waited
+    (gloo's work holds it; NCCL's stashes it for the allocator), and torch's runtime
+    schedules (interleaved 1F1B, zero bubble, ...) wait their sends only when the step ends:
+    every activation and input gradient a rank sends stays live until then. A fake group's
+    work holds nothing. In the simulation each work of the schedule's batched point-to-point
+    calls holds the tensors it carries until ``_wait_batch_p2p`` is called with it, as a real
+    group's does (1F1B's own loop waits each send at once: nothing changes there)."""
+    from torch.distributed.pipelining import schedules
+
+    batch, wait = schedules._batch_p2p, schedules._wait_batch_p2p
+    held: dict[int, list] = {}
+
+    def batch_held(p2p_ops, desc=None):
+        works = batch(p2p_ops, desc=desc)
+        for w in works:
+            held[id(w)] = [w, [p.tensor for p in p2p_ops]]
+        return works
+
+    def wait_released(work):
+        wait(work)
+        for w in work:
+            held.pop(id(w), None)
+
+    schedules._batch_p2p, schedules._wait_batch_p2p = batch_held, wait_released
+    try:
+        yield
+    finally:
+        schedules._batch_p2p, schedules._wait_batch_p2p = batch, wait
+        held.clear()
+
+
 _SPLIT_BACKWARD = "plan.py with pipeline=zero_bubble or v_schedule (a split backward)"
 INTERNALS += [
     Internal(f"{_TOOLS}.mod_tracker", "register_multi_grad_hook", _SPLIT_BACKWARD,

@@ -32,6 +32,7 @@ from automodel.compat.planning import (
     optimizer_peak_bytes,
     peak_snapshots,
     pipeline_warmup_without_peers,
+    sends_held_until_waited,
     sharding_propagation_marked,
     split_backward_tracked,
     value_checks_pass_on_fake_tensors,
@@ -123,7 +124,7 @@ def fake_job(cfg: TrainConfig, rank: int):
         batches = planning_batches(cfg, setup)  # host tensors, made before the fake mode
         with fake_tensor_mode(), pipeline_warmup_without_peers(), sharding_propagation_marked(), \
                 value_checks_pass_on_fake_tensors(), split_backward_tracked(), \
-                grouped_mm_in_any_float():
+                grouped_mm_in_any_float(), sends_held_until_waited():
             with RealStaysReal():  # (the mesh's index arithmetic, while parallelizing)
                 job = _build(cfg, setup)
             yield job, batches, mesh

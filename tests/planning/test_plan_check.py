@@ -165,3 +165,25 @@ def test_uncalibrated_plans_predict_published_runs(name, tmp_path):
     run = next(r for r in RUNS if r["name"] == name)
     r = row(run, plan_run(run, str(tmp_path)))
     assert 0.95 < r["plan_over_published"] < 1.05, r
+
+
+def test_an_interleaved_pipeline_is_planned_as_closely_as_the_rest(tmp_path):
+    """Interleaved 1F1B waits for its sends only when the step ends, and a real group's send
+    keeps its tensor alive until then: every activation and input gradient a rank sent is still
+    live at its peak. The plan holds them too (compat.sends_held_until_waited); without them
+    this job (2 CPU ranks, fp32, seq 256, as reported) was planned 3.5% and 5.7% under its
+    ranks' measured peaks, 1F1B 1.5% under."""
+    run = tmp_path / "run"
+    out = subprocess.run([sys.executable, str(ROOT / "train.py"), "distributed.nproc_per_node=2",
+                          "distributed.backend=gloo", "mesh.pp_size=2", "pipeline=interleaved",
+                          "pipeline.pp_microbatch_size=2", "trainer.seq_len=256",
+                          "trainer.global_batch_size=8", "parallelism.mp_policy=null",
+                          "data=synthetic", "trainer.track_tensor_memory=true",
+                          "trainer.max_steps=4", "trainer.plan_check_steps=4",
+                          f"hydra.run.dir={run}"], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    ranks = json.loads((run / "plan_check.json").read_text())["comparison"]["ranks"]
+    assert [r["name"] for r in ranks] == ["pp rank 0 (stages 0, 2)", "pp rank 1 (stages 1, 3)"]
+    for r in ranks:
+        assert 0.985 < r["peak_bytes"]["plan_over_run"] < 1.02, r
