@@ -130,9 +130,8 @@ def resolve_job(args, output_dir: str) -> tuple:
     job's nodes (the chosen layout's overrides, ``layout=manual``); a job that checks its plan
     (``trainer.plan_check_steps``) planned here; ``plan.json`` in ``output_dir``."""
     from automodel.api import load_config
-    from automodel.launch.auto_layout import slurm_layout, slurm_profile
     from automodel.launch.hydra_slurm import with_overrides
-    from automodel.launch.plan_first import plan_job
+    from automodel.launch.plan_first import plan_at_submit
     from automodel.launch.preflight import preflight
     from automodel.launch.slurm import submit_env
     from automodel.startup import without_collections
@@ -141,12 +140,10 @@ def resolve_job(args, output_dir: str) -> tuple:
     overrides = list(args.overrides)
     with without_collections():
         cfg = load_config(overrides, output_dir=output_dir, env=env)
-        if cfg.layout_mode == "auto":
-            overrides = with_overrides(overrides, slurm_layout(
-                cfg, args.nodes, args.tasks_per_node, output_dir, args.partition))
+        chosen = plan_at_submit(cfg, args.nodes, args.tasks_per_node, args.partition)
+        if chosen:  # (layout=auto: the job as its tasks will compose it)
+            overrides = with_overrides(overrides, chosen)
             cfg = load_config(overrides, output_dir=output_dir, env=env)
-        elif cfg.trainer.plan_check_steps:
-            plan_job(cfg, slurm_profile(args.partition, args.tasks_per_node))
         preflight(cfg, gpus=args.gpus_per_node)
     return cfg, overrides
 

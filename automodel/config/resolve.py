@@ -82,6 +82,11 @@ class TrainConfig:
         return self.layout.world_size
 
     @property
+    def cpu_offload(self) -> bool:
+        """FSDP2 keeps the parameters, gradients and optimizer states on the host."""
+        return self.offload_policy is not None and self.offload_policy.name == "CPUOffloadPolicy"
+
+    @property
     def grad_accum_steps(self) -> int:
         return self.layout.grad_accum_steps(self.trainer.global_batch_size,
                                             self.trainer.local_batch_size)

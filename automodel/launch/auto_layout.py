@@ -7,9 +7,8 @@ runs on, once, before any rank starts, and the job trains on it.
 - **Bounds**: the layout keys the user set (``mesh.tp_size=2``, ``pipeline=1f1b``, the
   checkpointing mode, the micro-batch) keep only the layouts that agree; with every one set
   there is nothing to choose, and ``layout=auto`` is refused as a conflict.
-- **Profile**: the local GPUs' (``nvidia-smi``: name and memory), else the CPU ranks' own
-  (``cpu_profile``: the host's memory shared by the ranks; speeds are rough, only their order
-  matters).
+- **Profile**: the ranks' device (``device_profiles.py``): the local GPUs', else the CPU
+  ranks' own; under SLURM the nodes' GRES type, else their memory.
 - **Result**: the fastest layout that fits, printed with its command line; ``search.json`` and
   ``plan.json`` beside the run; the run's config (``.hydra/config.yaml``) is the chosen
   layout's, so a rerun without ``auto`` is the same job. No layout fits: refused before launch,
@@ -25,11 +24,11 @@ import hashlib
 import json
 import logging
 import os
-import subprocess
 from pathlib import Path
 
 from automodel.config.build import ConfigError
 from automodel.config.resolve import TrainConfig
+from automodel.launch.device_profiles import local_profile, slurm_profile
 
 log = logging.getLogger("automodel")
 
@@ -83,42 +82,6 @@ def check_bounds(bounds: dict, keys: list[str]) -> None:
                           "the keys the search should choose")
 
 
-def cpu_profile(ranks: int):
-    """The profile of CPU ranks: the host's memory shared by them, one node; rough speeds."""
-    from automodel.planning.gpus import GiB, GpuProfile
-
-    return GpuProfile("cpu", peak_bf16_flops=1e11, hbm_bytes=_host_memory() // ranks,
-                      hbm_bandwidth=2e10, intra_node_bandwidth=2e9, inter_node_bandwidth=1e9,
-                      gpus_per_node=ranks, compute_efficiency=0.5, overhead_bytes=GiB // 2)
-
-
-def _host_memory() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024
-    raise ConfigError("layout=auto on CPU ranks needs /proc/meminfo (the host's memory)")
-
-
-GPU_PROFILES = (("H200", "h200"), ("H100", "h100_80gb"), ("A100", "a100_80gb"),
-                ("B200", "b200"))
-
-
-def gpu_profile(ranks: int):
-    """The local GPUs' profile, from ``nvidia-smi``'s name and memory."""
-    from automodel.planning.gpus import MiB, profile
-
-    out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total",
-                          "--format=csv,noheader,nounits"], capture_output=True, text=True)
-    name, _, memory = out.stdout.splitlines()[0].partition(",")
-    for part, known in GPU_PROFILES:
-        if part in name:
-            return profile(known, hbm_bytes=int(memory) * MiB, gpus_per_node=ranks)
-    raise ConfigError(f"layout=auto: no planner profile for the local GPU {name.strip()!r} "
-                      f"(profiles: {', '.join(k for _, k in GPU_PROFILES)}); plan it with "
-                      "plan.py plan.gpu=<profile> plan.gpu_spec... and set the layout yourself")
-
-
 def choose_layout(cfg: TrainConfig, compose_and_resolve) -> TrainConfig:
     """``cfg`` (``layout=auto``) on the layout the search chooses: ``compose_and_resolve``
     turns a list of overrides into the job's ``TrainConfig`` (its output directory and
@@ -138,12 +101,6 @@ def choose_layout(cfg: TrainConfig, compose_and_resolve) -> TrainConfig:
     job = compose_and_resolve(base + chosen["overrides"])
     write_choice(job.output_dir, result, chosen)
     return job
-
-
-def local_profile(cfg: TrainConfig):
-    """The profile of the ranks a local launch starts: its GPUs', else its CPU ranks'."""
-    world = cfg.layout.world_size
-    return gpu_profile(world) if cfg.launch.gpus else cpu_profile(world)
 
 
 def _base(overrides: list[str]) -> list[str]:
@@ -171,8 +128,8 @@ def search_and_choose(cfg: TrainConfig, base: list[str], world: int, gpu) -> tup
 def slurm_layout(cfg: TrainConfig, nodes: int, tasks_per_node: int, output_dir: str,
                  partition: str | None) -> list[str]:
     """At submit time: the overrides that put a ``layout=auto`` SLURM job on the layout the
-    search chooses for ``nodes`` x ``tasks_per_node`` ranks (its nodes' memory from the
-    partition; GPU jobs: not yet), to append to the job's own (``layout=manual`` last, so
+    search chooses for ``nodes`` x ``tasks_per_node`` ranks (``slurm_profile``: the nodes'
+    GPUs, else their memory), to append to the job's own (``layout=manual`` last, so
     its tasks do not search again); ``search.json`` and ``plan.json`` in ``output_dir``."""
     from automodel.launch.plan_first import auto_check_overrides
 
@@ -183,47 +140,6 @@ def slurm_layout(cfg: TrainConfig, nodes: int, tasks_per_node: int, output_dir: 
     result, chosen = search_and_choose(cfg, base, world, gpu)
     write_choice(output_dir, result, chosen)
     return chosen["overrides"] + check + ["layout=manual"]
-
-
-def slurm_profile(partition: str | None, tasks_per_node: int):
-    """The ranks of a SLURM job on ``partition``'s nodes (``sinfo``; None: the default
-    partition): their GPUs' profile (the GRES's GPU type), else the node's memory shared by
-    its tasks."""
-    from automodel.planning.gpus import MiB
-
-    args = ["sinfo", "-h", "-o", "%P|%G|%m"] + (["-p", partition] if partition else [])
-    lines = [line.split("|") for line in
-             subprocess.run(args, capture_output=True, text=True).stdout.split()]
-    lines = [x for x in lines if partition or x[0].endswith("*")]  # (the default partition)
-    if not lines:
-        raise ConfigError("layout=auto: sinfo names no nodes for this job's partition")
-    _, gres, memory = lines[0]
-    if gres not in ("(null)", ""):
-        return gres_profile(gres, tasks_per_node)
-    profile = cpu_profile(tasks_per_node)
-    return dataclasses.replace(profile, hbm_bytes=int(memory.rstrip("+")) * MiB
-                               // tasks_per_node)
-
-
-def gres_profile(gres: str, tasks_per_node: int):
-    """The GPU profile of a node's GRES as sinfo prints it (``gpu:h100:8(S:0-1)``,
-    ``gpu:a100_80gb:4``): its type names the profile, its tasks the GPUs per node."""
-    from automodel.planning.gpus import profile
-
-    for entry in gres.split(","):
-        parts = entry.split("(")[0].split(":")
-        if parts[0] != "gpu":
-            continue
-        kind = parts[1].lower() if len(parts) == 3 else ""
-        for part, known in GPU_PROFILES:
-            if kind.startswith(part.lower()):
-                return profile(known, gpus_per_node=tasks_per_node)
-        raise ConfigError(
-            f"layout=auto: the nodes' GRES {gres!r} names no GPU type the planner has a profile "
-            f"for ({', '.join(k for _, k in GPU_PROFILES)}); plan with plan.py plan.search=true "
-            "plan.gpus=<GPUs> plan.gpu=<profile> and set the layout (drop layout=auto)")
-    raise ConfigError(f"layout=auto: the nodes' GRES {gres!r} holds no GPU (gpu:<type>:<n>); "
-                      "plan with plan.py plan.search=true plan.gpus=<GPUs> and set the layout")
 
 
 def _search(cfg: TrainConfig, base: list[str], bounds: dict, world: int, gpu) -> dict:

@@ -70,24 +70,16 @@ def preflight_job(launcher, overrides: list, idx: int) -> tuple[int, list[str]]:
     output_dir = str(Path(str(hc.sweep.dir)) / _job_subdir(cfg))
     env = submit_env(launcher.params["nodes"], launcher.params["tasks_per_node"])
     job = resolve_hydra_job(cfg, hc, output_dir, multirun=True, env=env)
-    chosen = []
-    if job.layout_mode == "auto":
-        from automodel.launch.auto_layout import slurm_layout
+    from automodel.launch.plan_first import plan_at_submit
 
-        p = launcher.params
-        chosen = slurm_layout(job, p["nodes"], p["tasks_per_node"], output_dir,
-                              p.get("partition"))
+    p = launcher.params
+    chosen = plan_at_submit(job, p["nodes"], p["tasks_per_node"], p.get("partition"))
+    if chosen:  # (layout=auto: the job as its tasks will compose it)
         cfg = launcher.hydra_context.config_loader.load_sweep_config(
             launcher.config, with_overrides(overrides, chosen))
         with open_dict(cfg.hydra.job):
             cfg.hydra.job.num = idx
         job = resolve_hydra_job(cfg, cfg.hydra, output_dir, multirun=True, env=env)
-    elif job.trainer.plan_check_steps:  # (planned here, once: its tasks compare)
-        from automodel.launch.auto_layout import slurm_profile
-        from automodel.launch.plan_first import plan_job
-
-        p = launcher.params
-        plan_job(job, slurm_profile(p.get("partition"), p["tasks_per_node"]))
     preflight(job, gpus=job_gpus(launcher.params))
     return job.distributed.max_restarts, chosen
 

@@ -48,9 +48,26 @@ def ensure_plan(cfg: TrainConfig) -> None:
                 "train.py (local ranks) or python train.py -m hydra/launcher=slurm, or set "
                 "trainer.plan_check_steps=0")
         return
-    from automodel.launch.auto_layout import local_profile
+    from automodel.launch.device_profiles import local_profile
 
     plan_job(cfg, local_profile(cfg))
+
+
+def plan_at_submit(job: TrainConfig, nodes: int, tasks_per_node: int,
+                   partition: str | None) -> list[str]:
+    """A SLURM submitter's part, before it submits ``job``: ``layout=auto`` searched for its
+    nodes (returns the chosen layout's overrides, ``layout=manual`` among them, for the tasks
+    to compose), or a job that checks its plan planned on the nodes' profile (returns []);
+    ``plan.json`` in the job's output directory either way."""
+    if job.layout_mode == "auto":
+        from automodel.launch.auto_layout import slurm_layout
+
+        return slurm_layout(job, nodes, tasks_per_node, job.output_dir, partition)
+    if job.trainer.plan_check_steps:
+        from automodel.launch.device_profiles import slurm_profile
+
+        plan_job(job, slurm_profile(partition, tasks_per_node))
+    return []
 
 
 def plan_job(cfg: TrainConfig, profile) -> dict:

@@ -47,28 +47,30 @@ def fit_calibration(check: dict, measured_s: float) -> tuple[dict, str]:
     the communication alone is slower than the run, the compute efficiency is 1 and the
     communication's is fitted; an unreachable time keeps the nearest."""
     base = dict(check["calibration"])
-
-    def solve(key: str, fixed: dict) -> tuple[float, float]:
-        lo, hi = 1e-6, 1.0
-        for _ in range(80):
-            mid = (lo * hi) ** 0.5
-            if predicted_step(check, {**fixed, key: mid}) > measured_s:
-                lo = mid
-            else:
-                hi = mid
-        return hi, predicted_step(check, {**fixed, key: hi})
-
-    efficiency, step = solve("compute_efficiency", base)
+    efficiency, step = bisect_efficiency(check, measured_s, "compute_efficiency", base)
     if efficiency < 1.0 or step <= measured_s * (1 + 1e-6):
         return {**base, "compute_efficiency": efficiency}, \
             "compute_efficiency fitted to the measured step"
     fixed = {**base, "compute_efficiency": 1.0}
-    comm, step = solve("comm_efficiency", fixed)
+    comm, step = bisect_efficiency(check, measured_s, "comm_efficiency", fixed)
     note = ("the communication alone was slower than the run at the plan's efficiency: "
             "compute_efficiency 1, comm_efficiency fitted")
     if step > measured_s * 1.01:
         note += f" (still {step / measured_s:.2f}x the run: its bubble or bandwidths are off)"
     return {**fixed, "comm_efficiency": comm}, note
+
+
+def bisect_efficiency(check: dict, measured_s: float, key: str,
+                      fixed: dict) -> tuple[float, float]:
+    """(the efficiency ``key`` in (0, 1] at which the plan's step is ``measured_s``, the plan's
+    step at it), the rest of the calibration ``fixed``: bisected in log space (the step falls
+    as the efficiency rises); 1 where even that is slower than ``measured_s``."""
+    lo, hi = 1e-12, 1.0
+    for _ in range(100):
+        mid = (lo * hi) ** 0.5
+        lo, hi = (mid, hi) if predicted_step(check, {**fixed, key: mid}) > measured_s \
+            else (lo, mid)
+    return hi, predicted_step(check, {**fixed, key: hi})
 
 
 def class_of(check: dict, rank: int) -> dict | None:

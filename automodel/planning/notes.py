@@ -46,7 +46,7 @@ def plan_notes(cfg: TrainConfig, plan: dict) -> list[str]:
         notes.append(f"mesh.ep_size={cfg.layout.ep}: routing simulated balanced (each expert "
                      "receives tokens x top_k / num_experts); a real router sends its busiest "
                      "expert more: more all-to-all bytes and memory on that expert's rank")
-    if cfg.offload_policy is not None and cfg.offload_policy.name == "CPUOffloadPolicy":
+    if cfg.cpu_offload:
         notes.append("parallelism.offload_policy (CPU offload): peak_bytes is device memory; "
                      "host_bytes is the host's (sharded parameters, reduced gradients, the "
                      "optimizer's states and step); the copies between them and the "

@@ -179,8 +179,7 @@ def device_path(cfg: TrainConfig, profile: GpuProfile) -> TrainConfig:
     counts; CPU ranks keep the per-parameter loop."""
     import dataclasses
 
-    offloaded = cfg.offload_policy is not None and cfg.offload_policy.name == "CPUOffloadPolicy"
-    if profile.name == "cpu" or cfg.optim.foreach is not None or offloaded:
+    if profile.name == "cpu" or cfg.optim.foreach is not None or cfg.cpu_offload:
         return cfg  # (offloaded: the optimizer steps on the host's copies, as on the CPU)
     return dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, foreach=True))
 

@@ -125,25 +125,17 @@ def calibrated_efficiency(plan: dict, tokens_per_s: float, profile) -> float:
     ``tokens_per_s`` on ``profile`` (the rest of the cost model as it is): bisection, as the
     step time falls when the efficiency rises."""
     from automodel.planning import cost
+    from automodel.planning.calibrate import bisect_efficiency, predicted_step
 
-    sizes = cost.mesh_sizes(plan["layout"])
+    check = {"gpu": profile.as_dict(), "calibration": plan["calibration"],
+             "bubble": plan["bubble"], "sizes": cost.mesh_sizes(plan["layout"]),
+             "ranks": plan["ranks"]}
     target = plan["batch"]["global_batch_size"] * plan["batch"]["seq_len"] / tokens_per_s
-
-    def step(efficiency: float) -> float:
-        calibration = {**plan["calibration"], "compute_efficiency": efficiency}
-        return max(cost.step_time(r["flops"], r["comm_bytes_per_step"], sizes, profile,
-                                  plan["bubble"], calibration).step_time_s
-                   for r in plan["ranks"])
-
-    if step(1.0) > target:
+    if predicted_step(check, {**plan["calibration"], "compute_efficiency": 1.0}) > target:
         raise ConfigError(f"sweep report --calibrate: the measured {tokens_per_s:.0f} tokens/s "
                           f"is faster than {profile.name} at its full peak FLOP/s predicts; "
                           "is --gpu the GPU the sweep ran on?")
-    low, high = 1e-12, 1.0
-    for _ in range(100):
-        mid = (low * high) ** 0.5
-        low, high = (mid, high) if step(mid) > target else (low, mid)
-    return high
+    return bisect_efficiency(check, target, "compute_efficiency", plan["calibration"])[0]
 
 
 def plan_jobs(jobs: list[dict], profile, calibrate: int | None = None,

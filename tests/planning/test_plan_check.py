@@ -40,7 +40,7 @@ def test_a_planned_run_compares_itself_with_its_plan_and_calibrates_the_next(tmp
     assert names == ["pp rank 0", "pp rank 1"]
     for r, planned in zip(comparison["ranks"], plan["ranks"]):
         assert r["peak_bytes"]["predicted"] == planned["peak_bytes"]
-        assert 0.9 < r["peak_bytes"]["plan_over_run"] < 1.1, r
+        assert 0.97 < r["peak_bytes"]["plan_over_run"] < 1.03, r  # (measured 0.986, 0.988)
         assert r["comm_bytes"]["pp"]["measured"] == r["comm_bytes"]["pp"]["predicted"] > 0
         assert set(r["comm_bytes"]) == {"pp"}  # (the step's own read is not training traffic)
     log = (run / "train.log").read_text()
@@ -117,7 +117,7 @@ def test_calibration_fits_compute_then_communication(tmp_path):
 
 @pytest.mark.fast
 def test_slurm_gpu_nodes_are_planned_on_their_gres_type():
-    from automodel.launch.auto_layout import gres_profile
+    from automodel.launch.device_profiles import gres_profile
 
     h100 = gres_profile("gpu:h100:8(S:0-1)", 8)
     assert (h100.name, h100.gpus_per_node) == ("h100_80gb", 8)
