@@ -163,7 +163,7 @@ def run(layers: bool = True, full: bool = True, workers: int | None = 2) -> dict
             jobs.append(("full", c))
     ranks = [0] * len(configs)
     start = time.perf_counter()
-    sims = simulate_configs(configs, ranks, workers)
+    sims = simulate_configs(configs, ranks, workers=workers)
     out: dict = {"layers": [], "full": [], "seconds": 0.0}
     i = 0
     for kind, case in jobs:

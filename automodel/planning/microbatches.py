@@ -15,11 +15,16 @@ job's count, as ``depth.py`` extends layers. Closer to the warm-up the peak lay 
 1F1B at pp micro-batches; the 70B's interleaved rank 0 at 2 pp (436 MB a micro-batch from 8
 to 12, then 403 on every step to 24).
 
-Used for the schedules whose steady state is known (1f1b and interleaved 1f1b; the latter only
-where the count is a multiple of ``pp``, which keeps its rounds of ``pp`` micro-batches), with
-one schedule run a step (no ``pipeline.pp_batch_size``), and where it saves time: from the two
-counts' sum on. ``tests/planning/test_microbatches.py`` checks the extension against the
-whole schedule's simulation; ``plan.full_depth=true`` simulates every micro-batch (and layer).
+A model cut in depth too (``depth.py``) would take four runs a class, two depths at each count;
+the deeper depth's run at the larger count, the longest, is made of the other three and a run
+of the deeper depth at one round of ``pp`` micro-batches (``corner``), a quarter less work
+(the 70B at 28 micro-batches: 46 s instead of 58). Used for the schedules whose steady state is
+known (1f1b and interleaved 1f1b; the latter only where the count is a multiple of ``pp``, which
+keeps its rounds of ``pp`` micro-batches), with one schedule run a step (no
+``pipeline.pp_batch_size``), and where the short runs cost less than the whole schedule
+(``plan.planned_runs``). ``tests/planning/test_microbatches.py`` checks the extension against
+the whole schedule's simulation; ``plan.full_depth=true`` simulates every micro-batch (and
+layer).
 """
 
 from __future__ import annotations
@@ -29,6 +34,9 @@ import dataclasses
 from automodel.config.resolve import TrainConfig
 
 SCHEDULES = ("1f1b", "interleaved_1f1b")  # schedules whose steady state the line holds for
+# what a simulated step counts (sums over its operators: affine in the micro-batches from the
+# first round of ``pp``); the rest of a simulation is memory
+COUNTED = ("flops", "comm", "comm_calls")
 
 
 def microbatch_pair(cfg: TrainConfig) -> tuple[int, int, int] | None:
@@ -45,7 +53,7 @@ def microbatch_pair(cfg: TrainConfig) -> tuple[int, int, int] | None:
     batch = cfg.layout.per_rank_batch(cfg.trainer.global_batch_size)
     n = batch // p.pp_microbatch_size
     first, second = (v + 1) * pp, (v + 2) * pp
-    if n < first + second or (p.pp_schedule == "interleaved_1f1b" and n % pp):
+    if n <= second or (p.pp_schedule == "interleaved_1f1b" and n % pp):
         return None
     return first, second, n
 
@@ -62,3 +70,44 @@ def with_microbatches(cfg: TrainConfig, count: int) -> TrainConfig:
                                   local_batch_size=local)
     return dataclasses.replace(cfg, trainer=trainer)
 
+
+
+def few_microbatches(cfg: TrainConfig) -> int:
+    """The count of the deeper depth's cheap run (``corner``): one round of ``pp``."""
+    return cfg.layout.pp
+
+
+def corner(near: dict, deep: dict, far: dict, deep_few: dict, counts: tuple[int, int],
+           few: int) -> dict:
+    """The simulation of the deeper of two depths at the larger of two counts (``counts``), from
+    the other three corners (``near``: shallow at the smaller count, ``deep``: deeper at the
+    smaller, ``far``: shallow at the larger) and the deeper depth at ``few`` micro-batches.
+
+    What the step counts (``COUNTED``) is affine in the micro-batches at any depth: along the
+    line through ``deep_few`` and ``deep``. The memory is ``far``'s plus what the deeper depth
+    adds at the smaller count: a layer's parameters, gradients and states, and the activations
+    of the micro-batches in flight, which the schedule's steady state bounds; what grows with
+    the count (the input batches, the receive buffers) does not grow with the layers. Exact on
+    the layouts of ``tests/planning/test_microbatches.py``; it saves a quarter of the four
+    runs' work (the deeper depth's run at the larger count is the longest)."""
+    n0, n1 = counts
+    out = {}
+    for key, value in near.items():
+        if key in COUNTED:
+            out[key] = combine(lambda d, f: d + (d - f) * (n1 - n0) / (n0 - few),
+                               deep[key], deep_few[key])
+        else:
+            out[key] = combine(lambda f, d, n: f + d - n, far[key], deep[key], value)
+    return out
+
+
+def combine(fn, first, *rest):
+    """``fn`` over the numbers at the same place of alike simulations (nested dicts; a number
+    missing from one is 0); anything else is ``first``'s. Integers stay integers."""
+    if isinstance(first, dict) or any(isinstance(r, dict) for r in rest):
+        parts = [first or {}, *(r or {} for r in rest)]
+        return {k: combine(fn, *(d.get(k, 0) for d in parts)) for k in set().union(*parts)}
+    if isinstance(first, bool) or not isinstance(first, (int, float)):
+        return first
+    value = fn(first, *rest)
+    return round(value) if all(isinstance(x, int) for x in (first, *rest)) else value

@@ -38,6 +38,8 @@ def rank_classes(cfg: TrainConfig) -> list[RankClass]:
 
 
 TRACEBACK_LINES = 40  # of a failed simulation's, in its error
+# a simulation's build (model, parallelize, optimizer states) against one layer-micro-batch
+BUILD_WEIGHT = 5
 
 
 class SimulationError(RuntimeError):
@@ -50,70 +52,131 @@ def simulate_classes(cfg: TrainConfig, classes: list[RankClass],
     """Each class's rank simulated in a fresh process (a process group each), in parallel; a
     deep model of alike layers as two shallow copies, extended to its depth
     (``planning/depth.py``), and a pipeline of many micro-batches as two short runs of its
-    schedule, extended to its count (``planning/microbatches.py``), unless ``full_depth``."""
-    from automodel.planning.depth import extend, shallow_config, shallow_depths
-    from automodel.planning.microbatches import microbatch_pair, with_microbatches
+    schedule, extended to its count (``planning/microbatches.py``; both: the deeper copy's
+    longer run made of the others', ``microbatches.corner``), unless ``full_depth``."""
+    from automodel.planning.depth import extend
+    from automodel.planning.microbatches import corner
 
-    counts = None if full_depth else microbatch_pair(cfg)
-    jobs = [cfg] if counts is None else [with_microbatches(cfg, k) for k in counts[:2]]
-    depths = None if full_depth else shallow_depths(cfg)
-    per_stage = [None] if depths is None else depths[2]
-    tasks = [(i, j, k) for i in range(len(classes)) for k in per_stage
-             for j in range(len(jobs))]
-    configs = [jobs[j] if k is None else shallow_config(jobs[j], k, depths[0])
-               for i, j, k in tasks]
-    names = [classes[i].name + ("" if counts is None else f" ({counts[j]} micro-batches)")
-             for i, j, k in tasks]
-    sims = dict(zip(tasks, simulate_configs(configs, [classes[i].rank for i, _, _ in tasks],
-                                            workers, names)))
+    pair, depths, runs, counts = planned_runs(cfg, full_depth)
+    tasks = [(i, j, k) for i in range(len(classes)) for j, k in runs]
+    sims = dict(zip(tasks, simulate_configs(*_task_configs(cfg, classes, tasks, counts, depths),
+                                            workers)))
+    if pair is not None and depths is not None:  # (the fourth corner)
+        d0, d1 = depths[2]
+        for i in range(len(classes)):
+            sims[i, 1, d1] = corner(sims[i, 0, d0], sims[i, 0, d1], sims[i, 1, d0],
+                                    sims[i, 2, d1], pair[:2], counts[2])
 
     def at_depth(i: int, j: int) -> dict:
         if depths is None:
             return sims[i, j, None]
-        a, b = (sims[i, j, k] for k in per_stage)
+        a, b = (sims[i, j, k] for k in depths[2])
         held = len(a["stages"])
-        return extend(a, b, per_stage[0] * held, per_stage[1] * held,
+        return extend(a, b, depths[2][0] * held, depths[2][1] * held,
                       sum(depths[1][s] for s in a["stages"]))
 
-    if counts is None:
+    if pair is None:
         return [at_depth(i, 0) for i in range(len(classes))]
-    return [extend(at_depth(i, 0), at_depth(i, 1), *counts) for i in range(len(classes))]
+    return [extend(at_depth(i, 0), at_depth(i, 1), *pair) for i in range(len(classes))]
 
 
-def simulate_configs(configs: list, ranks: list[int], workers: int | None = None,
-                     names: list[str] | None = None, together: int = 1) -> list[dict]:
+def planned_runs(cfg: TrainConfig, full_depth: bool = False) -> tuple:
+    """(the micro-batch pair or None, the depths or None, the runs each class is simulated at
+    as (count index, layers per stage or None), the counts the indices name (None: the job's)):
+    the two short schedules where they cost less than the whole one (``weight``)."""
+    from automodel.planning.depth import shallow_depths
+    from automodel.planning.microbatches import microbatch_pair
+
+    pair = None if full_depth else microbatch_pair(cfg)
+    depths = None if full_depth else shallow_depths(cfg)
+    whole = short_runs(cfg, None, depths)
+    if pair is None:
+        return None, depths, *whole
+    short = short_runs(cfg, pair, depths)
+
+    def cost(runs, counts):
+        return sum(weight(k, counts[j] or pair[2]) for j, k in runs)
+
+    return (pair, depths, *short) if cost(*short) < cost(*whole) else (None, depths, *whole)
+
+
+def weight(k: int | None, count: int | None) -> int:
+    """The estimated cost of a simulation of ``count`` micro-batches (None: one) and ``k``
+    layers a stage (None: the model's, one here): its build, and its layers times its
+    micro-batches (the 70B's interleaved rank of two stages: about 1.2 s and 0.25 s)."""
+    return BUILD_WEIGHT + (k or 1) * (count or 1)
+
+
+def short_runs(cfg: TrainConfig, pair, depths) -> tuple[list, list]:
+    """(the runs each class is simulated at, as (count index, layers per stage or None), the
+    micro-batch counts the indices name (None: the job's))."""
+    from automodel.planning.microbatches import few_microbatches
+
+    per_stage = [None] if depths is None else list(depths[2])
+    if pair is None:
+        return [(0, k) for k in per_stage], [None]
+    counts = [pair[0], pair[1], few_microbatches(cfg)]
+    if depths is None:
+        return [(0, None), (1, None)], counts
+    d0, d1 = per_stage
+    return [(0, d0), (0, d1), (1, d0), (2, d1)], counts
+
+
+def _task_configs(cfg: TrainConfig, classes: list, tasks: list, counts: list, depths) -> tuple:
+    """(configs, ranks, names, weights) of the tasks, for ``simulate_configs``."""
+    from automodel.planning.depth import shallow_config
+    from automodel.planning.microbatches import with_microbatches
+
+    configs, names, weights = [], [], []
+    for i, j, k in tasks:
+        c = cfg if counts[j] is None else with_microbatches(cfg, counts[j])
+        configs.append(c if k is None else shallow_config(c, k, depths[0]))
+        names.append(classes[i].name + ("" if counts[j] is None
+                                        else f" ({counts[j]} micro-batches)"))
+        weights.append(weight(k, counts[j]))
+    return configs, [classes[i].rank for i, _, _ in tasks], names, weights
+
+
+def simulate_configs(configs: list, ranks: list[int], names: list[str] | None = None,
+                     weights: list[float] | None = None, workers: int | None = None,
+                     together: int = 1) -> list[dict]:
     """``simulate_rank(configs[i], ranks[i])`` for every i, in fresh processes: each
     ``together`` consecutive simulations in one (torch's caches of fake-tensor dispatch, kept
     across them, make the later ones faster: a quarter of the probes' time; the caches keyed by
-    meshes are emptied after each, ``forget_meshes``). A failure raises ``SimulationError``
-    naming the task (``names[i]``, else its rank) and its layout, with the worker's exception
-    (a ``ConfigError`` stays one)."""
-    tasks = [list(zip(configs[i:i + together], ranks[i:i + together]))
-             for i in range(0, len(configs), together)]
-    workers = min(len(tasks), workers or os.cpu_count() or 1)
+    meshes are emptied after each, ``forget_meshes``); with ``weights`` (each simulation's
+    estimated cost), one a process, the heaviest started first (the workers then end
+    together). A failure raises ``SimulationError`` naming the task
+    (``names[i]``, else its rank) and its layout, with the worker's exception (a
+    ``ConfigError`` stays one)."""
+    workers = workers or os.cpu_count() or 1
+    groups = [[i] for i in sorted(range(len(configs)), key=lambda i: -weights[i])] \
+        if weights is not None else [list(range(i, min(i + together, len(configs))))
+                                     for i in range(0, len(configs), together)]
+    tasks = [[(configs[i], ranks[i]) for i in g] for g in groups]
     from automodel.launch import forkserver
 
     # (forked from a server that imported torch, the planner and the model's code once)
     context = forkserver.context(simulation_preload(configs[0]))
-    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context,
+    out: list = [None] * len(configs)
+    with concurrent.futures.ProcessPoolExecutor(min(len(tasks), workers), mp_context=context,
                                                 max_tasks_per_child=1) as pool:
         futures = [pool.submit(_simulate_all, task) for task in tasks]
-        out = []
-        for t, future in enumerate(futures):
+        for group, future in zip(groups, futures):
             try:
-                out += future.result()
+                for i, sim in zip(group, future.result()):
+                    out[i] = sim
             except ConfigError:
                 raise
             except Exception as err:  # (a simulation's, or a worker that died)
                 for f in futures:
                     f.cancel()
                 failed = err if isinstance(err, _TaskFailed) else _TaskFailed(0, str(err))
-                i = t * together + failed.index
+                i = group[failed.index]
                 name = names[i] if names else f"rank {ranks[i]}"
                 raise SimulationError(
                     f"the simulation of {name} (rank {ranks[i]}) failed, layout "
                     f"{layout_text(configs[i])}:\n{failed.text}") from None
-        return out
+    return out
 
 
 # what every simulation imports beyond forkserver.PRELOAD (a second of CPU per worker)

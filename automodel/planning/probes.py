@@ -191,7 +191,7 @@ def run_probes(cfg, keys: list[ProbeKey], resolve_overrides, workers=None,
                for key, depth, sequences in tasks]
     names = [f"probe {key.name} ({depth} layers, {sequences} per micro-batch)"
              for key, depth, sequences in tasks]
-    sims = simulate_configs(configs, [0] * len(configs), workers, names,
+    sims = simulate_configs(configs, [0] * len(configs), names, workers=workers,
                             together=-(-len(configs) // workers))
     out, i = {}, 0
     for key in keys:

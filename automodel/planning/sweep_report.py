@@ -112,7 +112,7 @@ def simulate_jobs(cfgs: dict, workers: int | None = None) -> dict:
     from automodel.planning.plan import rank_classes, simulate_configs
 
     tasks = [(n, cfg, c.rank) for n, cfg in cfgs.items() for c in rank_classes(cfg)]
-    sims = simulate_configs([t[1] for t in tasks], [t[2] for t in tasks], workers) \
+    sims = simulate_configs([t[1] for t in tasks], [t[2] for t in tasks], workers=workers) \
         if tasks else []
     out: dict = {n: [] for n in cfgs}
     for (n, _, _), sim in zip(tasks, sims):
