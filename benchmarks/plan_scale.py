@@ -61,6 +61,15 @@ CASES = {
          "mesh.pp_size=4", "pipeline=interleaved", "trainer.seq_len=8192",
          "trainer.local_batch_size=1", "trainer.global_batch_size=64",
          "parallelism.activation_checkpointing=full", "plan.gpu=h100_80gb"]),
+    # the same at more micro-batches a step (a pipeline of many is planned from short runs of
+    # its schedule, planning/microbatches.py): 16, 24, 28 and 128
+    **{f"llama70b_512_gbs{g}": (
+        f"the same with global batch {g} ({g // 16} micro-batches)",
+        ["model=llama3_1_70b", "parallelism=fsdp2", "mesh.dp_size=16", "mesh.tp_size=8",
+         "mesh.pp_size=4", "pipeline=interleaved", "trainer.seq_len=8192",
+         "trainer.local_batch_size=1", f"trainer.global_batch_size={g}",
+         "parallelism.activation_checkpointing=full", "plan.gpu=h100_80gb"])
+       for g in (256, 384, 448, 2048)},
     "llama70b_512_1f1b": (
         "the same with pipeline=1f1b (one stage of 20 layers per rank: simulated as 4 and 5 "
         "layers, extended)",
