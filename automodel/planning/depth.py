@@ -110,12 +110,18 @@ def extend(a: dict, b: dict, layers_a: int, layers_b: int, layers: int) -> dict:
     """The simulation ``a`` (with ``layers_a`` layers on the rank) extended along the line
     through ``b`` (``layers_b``) to ``layers``: every number; the rest is ``a``'s."""
     def along(x, y):
-        if isinstance(x, dict) or isinstance(y, dict):
-            x, y = x or {}, y or {}
-            return {k: along(x.get(k, 0), y.get(k, 0)) for k in {*x, *y}}
-        if isinstance(x, bool) or not isinstance(x, (int, float)):
-            return x
-        value = x + (y - x) * (layers - layers_a) / (layers_b - layers_a)
-        return round(value) if isinstance(x, int) and isinstance(y, int) else value
+        return x + (y - x) * (layers - layers_a) / (layers_b - layers_a)
 
-    return {k: along(v, b.get(k, v)) for k, v in a.items()}
+    return {k: combine(along, v, b.get(k, v)) for k, v in a.items()}
+
+
+def combine(fn, first, *rest):
+    """``fn`` over the numbers at the same place of alike simulations (nested dicts; a number
+    missing from one is 0); anything else is ``first``'s. Integers stay integers."""
+    if isinstance(first, dict) or any(isinstance(r, dict) for r in rest):
+        parts = [first or {}, *(r or {} for r in rest)]
+        return {k: combine(fn, *(d.get(k, 0) for d in parts)) for k in set().union(*parts)}
+    if isinstance(first, bool) or not isinstance(first, (int, float)):
+        return first
+    value = fn(first, *rest)
+    return round(value) if all(isinstance(x, int) for x in (first, *rest)) else value

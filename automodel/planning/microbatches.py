@@ -71,7 +71,6 @@ def with_microbatches(cfg: TrainConfig, count: int) -> TrainConfig:
     return dataclasses.replace(cfg, trainer=trainer)
 
 
-
 def few_microbatches(cfg: TrainConfig) -> int:
     """The count of the deeper depth's cheap run (``corner``): one round of ``pp``."""
     return cfg.layout.pp
@@ -90,6 +89,8 @@ def corner(near: dict, deep: dict, far: dict, deep_few: dict, counts: tuple[int,
     the count (the input batches, the receive buffers) does not grow with the layers. Exact on
     the layouts of ``tests/planning/test_microbatches.py``; it saves a quarter of the four
     runs' work (the deeper depth's run at the larger count is the longest)."""
+    from automodel.planning.depth import combine
+
     n0, n1 = counts
     out = {}
     for key, value in near.items():
@@ -100,14 +101,3 @@ def corner(near: dict, deep: dict, far: dict, deep_few: dict, counts: tuple[int,
             out[key] = combine(lambda f, d, n: f + d - n, far[key], deep[key], value)
     return out
 
-
-def combine(fn, first, *rest):
-    """``fn`` over the numbers at the same place of alike simulations (nested dicts; a number
-    missing from one is 0); anything else is ``first``'s. Integers stay integers."""
-    if isinstance(first, dict) or any(isinstance(r, dict) for r in rest):
-        parts = [first or {}, *(r or {} for r in rest)]
-        return {k: combine(fn, *(d.get(k, 0) for d in parts)) for k in set().union(*parts)}
-    if isinstance(first, bool) or not isinstance(first, (int, float)):
-        return first
-    value = fn(first, *rest)
-    return round(value) if all(isinstance(x, int) for x in (first, *rest)) else value
