@@ -11,6 +11,12 @@ profiles") has the table this prints. Planning only: no GPU needed, about 10 s a
 
 Without ``--fit`` it prints, for each run, the plan with the shipped defaults beside the
 published tokens/s and memory (what the closing notes quote).
+
+A GPU with no published bf16 training run (B200) takes its efficiency from ``TRANSFERS``: one
+framework's published runs of the same job on it and on a GPU that has a fitted efficiency
+(H100), both in FP8. The job is planned once, costed on both profiles, and the new GPU's
+efficiency is the one at which the plan's speed-up over the fitted GPU is the published one:
+the new GPU is assumed to keep, in bf16, the share of the other's utilization it keeps in FP8.
 """
 
 from __future__ import annotations
@@ -29,6 +35,9 @@ TORCHTITAN = ("torchtitan, benchmarks/llama3_h100_202412_torchtitan.md (Dec 2024
 TORCHTITAN_A100 = "torchtitan, docs/performance.md (2024): 64 A100 80GB, FSDP2"
 AUTOMODEL_H200 = ("this project, ../shared/reference/gpu-facts.md (2026-11-30): one H200, "
                   "benchmarks/gpu_throughput.py, median of steps 6-25")
+MEGATRON_BRIDGE = ("Megatron-Bridge, docs/performance-summary.md, NeMo container 25.11: "
+                   "LLAMA3_8B pretraining on 8 GPUs, FP8 current scaling, global batch 128 "
+                   "x 8,192 tokens; 30,624 tokens/s/GPU on DGX-B200, 14,451 on DGX-H100")
 # (torchtitan's: float32 parameters and states, bfloat16 compute, the full logits' loss)
 LLAMA_8B = ["model=llama3_1_8b", "model.dtype=float32", "trainer.seq_len=8192",
             "trainer.loss=plain"]
@@ -53,6 +62,14 @@ RUNS = [
     {"name": "llama 0.95b fsdp2 1xH200", "gpu": "h200", "gpus": 1, "source": AUTOMODEL_H200,
      "overrides": H200_095B + ["trainer.loss=plain"],
      "tokens_per_s_per_gpu": 47900, "memory_gib": 27.8 * 1e9 / 2**30, "fit": True},
+]
+
+# the speed-up of ``gpu`` over the GPU of run ``over`` in one framework's runs of one job
+TRANSFERS = [
+    {"name": "llama3-8b 8xB200 over 8xH100", "gpu": "b200", "over": "llama3.1-8b fsdp 8xH100",
+     "source": MEGATRON_BRIDGE, "speedup": 30624 / 14451, "gpus": 8,
+     "overrides": LLAMA_8B + ["trainer.global_batch_size=128", "trainer.local_batch_size=1",
+                              "parallelism.activation_checkpointing=false"]},
 ]
 
 
@@ -88,6 +105,48 @@ def row(run: dict, plan: dict) -> dict:
             "planned_peak_plus_overhead_gib": peak, "source": run["source"]}
 
 
+def transfer_row(transfer: dict, plan: dict, over_efficiency: float | None = None) -> dict:
+    """``plan`` (the transfer's job, planned on the other GPU's profile) costed on both: the
+    planned speed-up at the shipped defaults, and the efficiency of ``transfer["gpu"]`` at which
+    it is the published one, the other GPU at ``over_efficiency`` (its fit; None: its default)."""
+    from automodel.planning.calibrate import check_entry, fit_calibration, predicted_step
+    from automodel.planning.gpus import profile
+
+    over = check_entry(plan)
+    new = {**over, "gpu": profile(transfer["gpu"]).as_dict()}
+    at = {} if over_efficiency is None else {"compute_efficiency": over_efficiency}
+    fitted, note = fit_calibration(new, predicted_step(over, {**over["calibration"], **at})
+                                   / transfer["speedup"])
+    planned = predicted_step(over) / predicted_step(new)
+    return {"run": transfer["name"], "gpu": transfer["gpu"], "over": plan["gpu"]["name"],
+            "published_speedup": transfer["speedup"], "planned_speedup": planned,
+            "speedup_plan_over_published": planned / transfer["speedup"],
+            "compute_efficiency_used": new["gpu"]["compute_efficiency"],
+            "over_compute_efficiency_used": plan["gpu"]["compute_efficiency"],
+            "over_fitted_compute_efficiency": over_efficiency,
+            "fitted_compute_efficiency": fitted.get("compute_efficiency"), "fit_note": note,
+            "source": transfer["source"]}
+
+
+def transfers(rows: list[dict]) -> list[dict]:
+    """``TRANSFERS``' rows, each planned on its fitted GPU's profile, that GPU at its fit."""
+    out = []
+    for transfer in TRANSFERS:
+        run = next(r for r in RUNS if r["name"] == transfer["over"])
+        fit = next((r["fitted_compute_efficiency"] for r in rows if r["run"] == run["name"]),
+                   None)
+        with tempfile.TemporaryDirectory() as tmp:
+            plan = plan_run({**transfer, "gpu": run["gpu"]}, tmp)
+        out.append(transfer_row(transfer, plan, fit))
+        r = out[-1]
+        print(f"{r['run']}: published speed-up x{r['published_speedup']:.3f}; planned "
+              f"x{r['planned_speedup']:.3f} at the defaults ({r['compute_efficiency_used']} "
+              f"over {r['over_compute_efficiency_used']}); fitted compute_efficiency "
+              f"{r['fitted_compute_efficiency']:.3f} ({r['over']} at its fit, "
+              f"{r['over_fitted_compute_efficiency']})", flush=True)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--fit", action="store_true", help="only the runs the defaults "
@@ -111,6 +170,7 @@ def main() -> None:
               f"{r['planned_peak_plus_overhead_gib']:.1f} GiB; fitted compute_efficiency "
               f"{r['fitted_compute_efficiency']:.3f} (compute alone: "
               f"{r['compute_only_efficiency']:.3f})", flush=True)
+    rows += transfers(rows)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)

@@ -78,15 +78,20 @@ PROFILES: dict[str, GpuProfile] = {
                    hbm_bandwidth=2.039e12, intra_node_bandwidth=300e9,  # NVLink 3: 600 GB/s
                    inter_node_bandwidth=25e9,  # one ConnectX-6 200 Gb/s per GPU (DGX A100)
                    compute_efficiency=0.48),
-        # no published FSDP training run found: H100's figure, unverified (UNVERIFIED)
+        # no published bf16 run: H100's fit carried over by published FP8 runs (CARRIED_OVER)
         GpuProfile("b200", peak_bf16_flops=2.25e15, hbm_bytes=183359 * MiB,
                    hbm_bandwidth=8e12, intra_node_bandwidth=900e9,  # NVLink 5: 1.8 TB/s
-                   inter_node_bandwidth=_NDR_PER_GPU, compute_efficiency=0.30),
+                   inter_node_bandwidth=_NDR_PER_GPU, compute_efficiency=0.28),
     )
 }
 
-# profiles whose compute_efficiency no published run of that GPU supports (a plan's note says so)
-UNVERIFIED = frozenset({"b200"})
+# profiles whose compute_efficiency no published bf16 run of that GPU supports: how it was
+# found instead (a plan's note says so; benchmarks/published_runs.py, TRANSFERS)
+CARRIED_OVER = {
+    "b200": "H100's fitted figure scaled by the share of H100's utilization that B200 keeps in "
+            "one framework's published FP8 runs of Llama-3-8B on 8 GPUs (Megatron-Bridge: "
+            "0.306 x 0.93 = 0.285)",
+}
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(GpuProfile) if f.name != "name")
 

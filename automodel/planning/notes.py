@@ -28,14 +28,14 @@ def plan_notes(cfg: TrainConfig, plan: dict) -> list[str]:
         "slowdown of compute by concurrent communication, no host-device copies",
         _optimizer_note(cfg),
     ]
-    from automodel.planning.gpus import UNVERIFIED
+    from automodel.planning.gpus import CARRIED_OVER
 
     gpu = plan["gpu"]["name"]
-    if gpu in UNVERIFIED and "compute_efficiency" not in plan["calibration"]:
-        notes.append(f"{gpu}: its compute_efficiency ({plan['gpu']['compute_efficiency']}) is "
-                     "H100's published figure, unverified on this GPU (no published training "
-                     "run found): calibrate it from a run (plan.calibrate_from=RUN_DIR, or "
-                     "plan.calibration.compute_efficiency)")
+    if gpu in CARRIED_OVER and "compute_efficiency" not in plan["calibration"]:
+        notes.append(f"{gpu}: no published bf16 training run on it was found; its "
+                     f"compute_efficiency ({plan['gpu']['compute_efficiency']}) is "
+                     f"{CARRIED_OVER[gpu]}: calibrate it from a run (plan.calibrate_from="
+                     "RUN_DIR, or plan.calibration.compute_efficiency)")
     if getattr(cfg.parallelism, "enable_compile", False):
         notes.append("parallelism.enable_compile=true: simulated in eager mode; compiled "
                      "blocks fuse kernels, which can hold fewer activation and temporary "
