@@ -2,7 +2,7 @@
 sequence parallelism), context parallelism, pipelines and expert parallelism.
 
 - the three presets (LLaVA, Qwen2-VL, Gemma 3) with a trainable tower, one image every other
-  sample and one sample per micro-batch (micro-batches without an image), 5 steps: losses
+  sample and one sample per micro-batch, 4 a step (two without an image), 5 steps: losses
   and gradient norms match one process (fp32) under TP2, TP2+SP, CP2 (Gemma 3: refused
   under CP), 1F1B and interleaved pipelines (Qwen2-VL zero bubble, Gemma 3 the V schedule
   too); Qwen2-VL under TP2+SP x CP2, the three presets
@@ -46,6 +46,7 @@ FOUR_RANKS = {  # (layouts of 4 ranks)
     "pp2_tp2_sp": PP2 + ["pipeline=1f1b", "mesh.tp_size=2", "distributed.nproc_per_node=4"]
     + SP}
 MIXED = ["data.image_every=2"]  # (one sample per micro-batch: half of them have no image)
+FOUR = ["trainer.global_batch_size=4"]  # (4 micro-batches a step, 2 of them with an image)
 
 
 def _batch(cfg):
@@ -64,7 +65,7 @@ def _batch(cfg):
        ("qwen3_vl_moe_tiny", "ep2"),  # (the router's loss on: placeholder rows left out)
        ("qwen3_vl_moe_tiny", "pp2_1f1b")])  # (its deepstack features: on the first stage)
 def test_presets_match_one_process(preset, layout, reference, tmp_path):
-    run = [f"model={preset}"] + MIXED
+    run = [f"model={preset}"] + MIXED + FOUR
     named = {**LAYOUTS, **FOUR_RANKS, **VISION_TP}
     over = named.get(layout) or PP2 + [f"pipeline={layout.removeprefix('pp2_')}"]
     records = train(over + ["trainer.local_batch_size=1"] + run, tmp_path)
