@@ -17,6 +17,20 @@ def _optimizer_note(cfg: TrainConfig) -> str:
             "default): its temporaries are one parameter's")
 
 
+def profile_notes(gpu: dict, calibration) -> list[str]:
+    """What a plan or a search on the GPU profile ``gpu`` (its ``as_dict``) should say of its
+    default efficiency: where no published bf16 run of that GPU supports it, how it was found
+    (unless ``calibration`` sets it)."""
+    from automodel.planning.gpus import CARRIED_OVER
+
+    name = gpu["name"]
+    if name not in CARRIED_OVER or "compute_efficiency" in calibration:
+        return []
+    return [f"{name}: no published bf16 training run on it was found; its compute_efficiency "
+            f"({gpu['compute_efficiency']}) is {CARRIED_OVER[name]}: calibrate it from a run "
+            "(plan.calibrate_from=RUN_DIR, or plan.calibration.compute_efficiency)"]
+
+
 def plan_notes(cfg: TrainConfig, plan: dict) -> list[str]:
     notes = [
         "the step simulated is a steady one (the optimizer's states made first, as step 1 "
@@ -28,14 +42,7 @@ def plan_notes(cfg: TrainConfig, plan: dict) -> list[str]:
         "slowdown of compute by concurrent communication, no host-device copies",
         _optimizer_note(cfg),
     ]
-    from automodel.planning.gpus import CARRIED_OVER
-
-    gpu = plan["gpu"]["name"]
-    if gpu in CARRIED_OVER and "compute_efficiency" not in plan["calibration"]:
-        notes.append(f"{gpu}: no published bf16 training run on it was found; its "
-                     f"compute_efficiency ({plan['gpu']['compute_efficiency']}) is "
-                     f"{CARRIED_OVER[gpu]}: calibrate it from a run (plan.calibrate_from="
-                     "RUN_DIR, or plan.calibration.compute_efficiency)")
+    notes += profile_notes(plan["gpu"], plan["calibration"])
     if getattr(cfg.parallelism, "enable_compile", False):
         notes.append("parallelism.enable_compile=true: simulated in eager mode; compiled "
                      "blocks fuse kernels, which can hold fewer activation and temporary "

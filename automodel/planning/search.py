@@ -277,6 +277,7 @@ def search_layouts(train, gpu: GpuProfile, plan_cfg, keep=None, base=None) -> di
     ``layout=auto``); ``base``: the job's own overrides (default: ``train``'s, without the
     layout keys)."""
     from automodel.config.build import ConfigError
+    from automodel.planning.notes import profile_notes
 
     model = model_facts(train)
     t = train.trainer
@@ -299,7 +300,8 @@ def search_layouts(train, gpu: GpuProfile, plan_cfg, keep=None, base=None) -> di
               "calibration": dict(plan_cfg.calibration), "searched": len(found),
               "estimated": len(probed.estimates), "pruned": probed.pruned,
               "fitting": len(fitting), "top": top, "refused_in_full": refused,
-              "probes": {key.name: dataclasses.asdict(c) for key, c in probed.costs.items()}}
+              "probes": {key.name: dataclasses.asdict(c) for key, c in probed.costs.items()},
+              "notes": profile_notes(gpu.as_dict(), plan_cfg.calibration)}
     if best is not None:
         result["best_planned"] = best["planned"]
     if not fitting:
@@ -392,4 +394,4 @@ def search_summary(result: dict) -> str:
     elif result["top"] or result.get("refused_in_full"):
         lines.append(f" none of the {CONFIRM_TRIES} fastest fits when planned in full: plan "
                      "the others one by one (their commands above)")
-    return "\n".join(lines)
+    return "\n".join(lines + [f"  note: {n}" for n in result.get("notes", [])])
