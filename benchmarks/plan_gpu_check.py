@@ -45,7 +45,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 GB = 1e9
 
-# The 0.95B Llama of gpu_throughput.py and shared/reference/gpu-facts.md (hidden 2048, 16
+# The 0.95B Llama of gpu_throughput.py and its measured H200 run (hidden 2048, 16
 # layers, 16 heads, vocabulary 32000), built from config with fp32 master weights.
 _LLAMA_1B = ["model=llama_tiny", "model.config.vocab_size=32000",
              "model.config.hidden_size=2048", "model.config.intermediate_size=5632",

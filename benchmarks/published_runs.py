@@ -33,7 +33,7 @@ TORCHTITAN = ("torchtitan, benchmarks/llama3_h100_202412_torchtitan.md (Dec 2024
               "96 GB HBM2e at a 500 W limit, 8 GPUs a host on NVLink, 400 Gb/s RDMA per GPU; "
               "throughput read at step 90")
 TORCHTITAN_A100 = "torchtitan, docs/performance.md (2024): 64 A100 80GB, FSDP2"
-AUTOMODEL_H200 = ("this project, ../shared/reference/gpu-facts.md (2026-11-30): one H200, "
+AUTOMODEL_H200 = ("this project (2026-11-30): one H200, "
                   "benchmarks/gpu_throughput.py, median of steps 6-25")
 MEGATRON_BRIDGE = ("Megatron-Bridge, docs/performance-summary.md, NeMo container 25.11: "
                    "LLAMA3_8B pretraining on 8 GPUs, FP8 current scaling, global batch 128 "

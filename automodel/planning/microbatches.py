@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 
 from automodel.config.resolve import TrainConfig
+from automodel.planning.depth import combine
 
 SCHEDULES = ("1f1b", "interleaved_1f1b")  # schedules whose steady state the line holds for
 # what a simulated step counts (sums over its operators: affine in the micro-batches from the
@@ -89,8 +90,6 @@ def corner(near: dict, deep: dict, far: dict, deep_few: dict, counts: tuple[int,
     the count (the input batches, the receive buffers) does not grow with the layers. Exact on
     the layouts of ``tests/planning/test_microbatches.py``; it saves a quarter of the four
     runs' work (the deeper depth's run at the larger count is the longest)."""
-    from automodel.planning.depth import combine
-
     n0, n1 = counts
     out = {}
     for key, value in near.items():
