@@ -77,8 +77,8 @@ def export_hf(path: str, out: str, tokenizer_path: str | None = None,
             write_peft_adapter,
         )
 
-        base, adapters = split_state(state)
-        base = base or base_state(trainer["peft"], config)  # (the base is referenced)
+        adapters = split_state(state)[1]  # (anything else saved is a frozen weight's alias)
+        base = base_state(trainer["peft"], config)  # (the base is referenced)
         write_peft_adapter(adapters, trainer["peft"], adapter_dir_of(out))
         state = merged(base, adapters, trainer["peft"])
     with torch.device("meta"):

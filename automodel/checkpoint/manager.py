@@ -42,7 +42,9 @@ from automodel.errors import CheckpointWriteError, describe, no_space, os_error,
 
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 # a run with adapters (peft): the trainable weights only, the frozen base referenced
-# (``automodel/peft/base_ref.py``); loading leaves the frozen weights as built
+# (``automodel/peft/base_ref.py``); loading leaves the frozen weights as built.
+# (torch's ``ignore_frozen_params`` keeps a tied alias of a frozen weight, such as
+# ``lm_head.weight``, and buffers: ``_part_states`` drops them.)
 TRAINABLE_ONLY = StateDictOptions(flatten_optimizer_state_dict=True, ignore_frozen_params=True,
                                   strict=False)
 log = logging.getLogger(__name__)
@@ -54,8 +56,18 @@ def _barrier(group):
 
 
 def _part_states(parts, optimizers, options=OPTIONS) -> list[tuple[dict, dict]]:
-    return [get_state_dict(part, opt, options=options)
-            for part, opt in zip(parts, optimizers.optimizers)]
+    states = [get_state_dict(part, opt, options=options)
+              for part, opt in zip(parts, optimizers.optimizers)]
+    if options is TRAINABLE_ONLY:
+        states = [(_trained(model, optim), optim) for model, optim in states]
+    return states
+
+
+def _trained(model: dict, optim: dict) -> dict:
+    """The weights the optimizer trains, of a model state: no frozen weight under a second
+    name (a tied embedding), no buffer. (The flattened optimizer state names every trained
+    weight in ``param_groups.<name>.lr``, also before its first step.)"""
+    return {k: v for k, v in model.items() if f"param_groups.{k}.lr" in optim}
 
 
 def _merged(states) -> dict:
@@ -306,6 +318,8 @@ class Checkpointer:
         flat, _ = flatten_state_dict(state)
         model_keys = set().union(*_gather({k for k in flat if k.startswith("model.")},
                                           self.group))
+        if self.options is TRAINABLE_ONLY:  # (an adapter checkpoint of an earlier version may
+            model_keys |= _untrained(meta)  # hold a tied alias or a buffer: never loaded)
         try:
             check_keys(path, meta, flat, model_keys)
             problem = None
@@ -314,6 +328,16 @@ class Checkpointer:
         problems = [p for p in _gather(problem, self.group) if p]
         if problems:
             raise CheckpointError(problems[0])
+
+
+def _untrained(meta) -> set[str]:
+    """The model keys of a checkpoint that its optimizer did not train (none in a checkpoint
+    saved without its optimizer)."""
+    saved = meta.state_dict_metadata
+    if not any(k.startswith("optim.") for k in saved):
+        return set()
+    return {k for k in saved if k.startswith("model.")
+            and f"optim.param_groups.{k[len('model.'):]}.lr" not in saved}
 
 
 def checkpoint_bytes(params: int, trainable: int, param_bytes: int) -> int:

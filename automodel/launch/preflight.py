@@ -277,9 +277,12 @@ def check_resume_checkpoint(cfg: TrainConfig) -> None:
     metadata reads and no shard file is missing or truncated.
     (Reading the metadata needs torch.distributed.checkpoint, so this is not a config check;
     the config checks that an explicit path exists.)"""
+    from automodel.peft.resume import check_resumed_adapters
+
     c = cfg.checkpoint
     if c.initial_load_path is not None:
         _check_whole("checkpoint.initial_load_path", c.initial_load_path)
+        check_resumed_adapters(cfg, c.initial_load_path, "checkpoint.initial_load_path")
     if c.resume is None:
         return
     from automodel.checkpoint.paths import checkpoint_root, complete_checkpoints
@@ -292,8 +295,6 @@ def check_resume_checkpoint(cfg: TrainConfig) -> None:
         return
     _check_whole(key, path)
     _check_model_only(key, path, c.exclude_from_loading)
-    from automodel.peft.resume import check_resumed_adapters
-
     check_resumed_adapters(cfg, path, key)
 
 

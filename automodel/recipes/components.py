@@ -221,19 +221,30 @@ def _adapt(model: torch.nn.Module, cfg: TrainConfig) -> list[str]:
     return add_adapters(model, cfg.peft, str(cfg.trainer.loss), tuple(cfg.model.freeze))
 
 
+def _restarted_from(cfg: TrainConfig, root: str) -> str | None:
+    """A requeued job, or ranks started again inside the job: the newest complete checkpoint
+    of the run's own ``checkpoint.dir``, whatever ``checkpoint.resume`` names (that is the
+    first start's); None when the run has saved none yet (or this is its first start)."""
+    if cfg.launch.restarts > 0:
+        why = f"SLURM requeued this job (restart {cfg.launch.restarts})"
+    elif in_job_restart() > 0:
+        why = (f"the job's ranks were started again (in-job restart {in_job_restart()} of "
+               f"distributed.max_restarts={cfg.distributed.max_restarts})")
+    else:
+        return None
+    found = complete_checkpoints(root)
+    if not found:
+        log.info("%s: no checkpoint of this run in %s yet; starting as the first start did",
+                 why, root)
+        return None
+    log.info("%s: resuming from the run's newest checkpoint, %s", why, found[-1])
+    return found[-1]
+
+
 def restore(cfg: TrainConfig, parts: Components) -> int:
     """Load the checkpoint ``checkpoint.resume`` names; returns the step to start from."""
     checkpointer = parts.checkpointer
-    path = cfg.checkpoint.resume
-    if path is None and cfg.launch.restarts > 0:
-        log.info("SLURM requeued this job (restart %d): resuming from the latest checkpoint",
-                 cfg.launch.restarts)
-        path = "auto"
-    if path is None and in_job_restart() > 0:
-        log.info("the job's ranks were started again (in-job restart %d of "
-                 "distributed.max_restarts=%d): resuming from the latest checkpoint",
-                 in_job_restart(), cfg.distributed.max_restarts)
-        path = "auto"
+    path = _restarted_from(cfg, checkpointer.root) or cfg.checkpoint.resume
     if path == "auto":
         found = complete_checkpoints(checkpointer.root)
         path = found[-1] if found else None

@@ -8,6 +8,7 @@ import re
 import pytest
 
 from automodel.api import run as api_run
+from automodel.checkpoint.paths import checkpoint_path
 from automodel.errors import LaunchError
 from tests.helpers import BASE, ON_CPU, train
 
@@ -16,25 +17,33 @@ RUN = ["parallelism=ddp", "trainer.max_steps=6", "checkpoint.every_steps=2"]
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    return train(RUN, tmp_path_factory.mktemp("full"))
+    """(the records of an uninterrupted run, its checkpoint directory)."""
+    root = tmp_path_factory.mktemp("full")
+    return train(RUN, root), root / "checkpoints"
 
 
-def test_a_rank_killed_once_is_restarted_and_the_job_ends_as_the_uninterrupted_one(
+def test_a_rank_killed_once_is_restarted_from_the_runs_newest_checkpoint(
         uninterrupted, tmp_path, monkeypatch):
-    """Rank 1 killed at the start of step 3 in the first attempt only (``/0``), one restart
-    allowed: the job completes; steps 1-2 ran before, 3-6 after the restart from step 2's
-    checkpoint, each once; losses and gradient norms are the uninterrupted run's."""
-    monkeypatch.setenv("AUTOMODEL_FAULTS", "kill@3:1/0")
-    records = train(RUN + ["distributed.max_restarts=1"], tmp_path)
-    assert [r["step"] for r in records] == [3, 4, 5, 6]  # (rank 0's records of the last run)
+    """A run started from another run's step-2 checkpoint (an explicit
+    ``checkpoint.resume=<path>``) saves step 4 in its own directory; rank 1 is killed at the
+    start of step 5 in the first attempt only (``/0``), one restart allowed: the ranks start
+    again from the run's own step 4, not from the path it first started from, so steps 3-6
+    each run once, with the uninterrupted run's losses and gradient norms."""
+    full, checkpoints = uninterrupted
+    monkeypatch.setenv("AUTOMODEL_FAULTS", "kill@5:1/0")
+    first = checkpoint_path(str(checkpoints), 2)
+    records = train(RUN + ["distributed.max_restarts=1", f"checkpoint.resume={first}"],
+                    tmp_path)
+    assert [r["step"] for r in records] == [5, 6]  # (rank 0's records of the last run)
     log = (tmp_path / "train.log").read_text()
     assert "in-job restart 1 of distributed.max_restarts=1" in log
+    assert f"resuming from the run's newest checkpoint, {tmp_path}" in log
     from automodel.tracking.metrics import read_metrics
 
     written = read_metrics(tmp_path / "metrics.jsonl")
-    assert [r["step"] for r in written] == [1, 2, 3, 4, 5, 6]  # each step once
+    assert [r["step"] for r in written] == [3, 4, 5, 6]  # each step once
     assert [(r["loss"], r["grad_norm"]) for r in written] == \
-        [(r["loss"], r["grad_norm"]) for r in uninterrupted]
+        [(r["loss"], r["grad_norm"]) for r in full[2:]]
 
 
 @pytest.mark.parametrize("restarts", [0, 2])

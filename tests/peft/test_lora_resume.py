@@ -66,6 +66,24 @@ def test_a_checkpoint_that_does_not_fit_is_refused_before_launch(change, expecte
     assert expected in str(info.value)
 
 
+@pytest.mark.parametrize("change,expected", [
+    (LORA[:1] + ["peft.rank=8", "peft.alpha=64"], "holds adapters of rank 4 and alpha 8.0; "
+                                                  "this run asks for peft.rank=8 peft.alpha=64"),
+    (LORA + ["trainer.seed=7"], "was trained over another base model than this run's"),
+    ([], "is a LoRA checkpoint"),
+])
+def test_a_checkpoint_to_start_from_gets_the_same_checks(change, expected, tp2_run, tmp_path):
+    """``checkpoint.initial_load_path`` (a second stage's start) is checked as a resume is:
+    adapters of another rank and alpha, or trained over another base, are refused."""
+    _, ckpt = tp2_run
+    cfg = load_config(job_overrides(TP2 + ["trainer.max_steps=6",
+                                           f"checkpoint.initial_load_path={ckpt}"] + change),
+                      str(tmp_path))
+    with pytest.raises(ConfigError) as info:
+        check_resume_checkpoint(cfg)
+    assert "checkpoint.initial_load_path" in str(info.value) and expected in str(info.value)
+
+
 def test_a_full_checkpoint_does_not_resume_with_adapters(tmp_path):
     train(["parallelism=none", "trainer.max_steps=1", "checkpoint.every_steps=1"], tmp_path)
     ckpt = checkpoint_path(str(tmp_path / "checkpoints"), 1)
