@@ -11,6 +11,7 @@ signal, out of memory) is named with its exit code or signal.
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import sys
 
@@ -18,6 +19,7 @@ from automodel.errors import describe
 
 _PHASE = ["start-up"]
 _CHANNEL: list = [None]  # the launcher's queue, in a locally launched rank
+_TRACEBACKS: list = [None]  # the run's folder, where a failed rank writes its traceback
 
 
 def set_phase(name: str) -> None:
@@ -28,9 +30,38 @@ def current_phase() -> str:
     return _PHASE[0]
 
 
-def summary(exc: BaseException, rank: int | None = None) -> str:
+def summary(exc: BaseException, rank: int | None = None, traceback_file: str | None = None
+            ) -> str:
     who = f"rank {rank} " if rank is not None else ""
-    return f"{who}failed during {current_phase()}: {describe(exc)}"
+    where = f" (traceback: {traceback_file})" if traceback_file else ""
+    return f"{who}failed during {current_phase()}: {describe(exc)}{where}"
+
+
+def keep_tracebacks_in(folder: str | None) -> None:
+    """Where a failed rank of this process writes its traceback (the run's folder)."""
+    _TRACEBACKS[0] = folder
+
+
+def write_traceback(exc: BaseException, rank: int) -> str | None:
+    """``<run folder>/traceback_rank<R>.txt``: the phase and the whole traceback of ``exc``
+    (its chain included); the path, or None where no folder is known or it cannot be
+    written (a full disk: the summary line stands)."""
+    import traceback
+
+    if _TRACEBACKS[0] is None:
+        return None
+    path = os.path.join(_TRACEBACKS[0], f"traceback_rank{rank}.txt")
+    if getattr(exc, "_automodel_traceback", None) == path:
+        return path  # (written already: the summary, the error file and the report share it)
+    try:
+        with open(path, "w") as f:
+            f.write(f"rank {rank} failed during {current_phase()}\n\n")
+            f.write("".join(traceback.format_exception(exc)))
+    except OSError:
+        return None
+    with contextlib.suppress(AttributeError):
+        exc._automodel_traceback = path
+    return path
 
 
 def connect(channel) -> None:
@@ -39,12 +70,15 @@ def connect(channel) -> None:
 
 
 def report(exc: BaseException, rank: int) -> None:
-    """Print this rank's summary to stderr and hand it to the launcher, if any."""
-    line = f"automodel: {summary(exc, rank)}"
+    """Write this rank's traceback into the run's folder, print its summary to stderr and
+    hand it to the launcher, if any."""
+    file = write_traceback(exc, rank)
+    line = f"automodel: {summary(exc, rank, file)}"
     print(line, file=sys.stderr, flush=True)
     if _CHANNEL[0] is not None:
+        where = f" (traceback: {file})" if file else ""
         with contextlib.suppress(Exception):
-            _CHANNEL[0].put((rank, current_phase(), describe(exc)))
+            _CHANNEL[0].put((rank, current_phase(), describe(exc) + where))
 
 
 # What a rank reports when a peer died first: its own failure is a consequence.
@@ -79,7 +113,7 @@ def write_error_file(path: str, exc: BaseException, rank: int) -> None:
     import time
     import traceback
 
-    text = f"automodel: {summary(exc, rank)}"
+    text = f"automodel: {summary(exc, rank, write_traceback(exc, rank))}"
     stack = "".join(traceback.format_exception(exc))
     with contextlib.suppress(OSError):  # (a full disk: the stderr line stands)
         with open(path, "w") as f:

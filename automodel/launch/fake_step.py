@@ -35,6 +35,7 @@ import time
 
 from automodel.config.build import ConfigError
 from automodel.config.resolve import TrainConfig
+from automodel.launch.step_refusal import casts_parameters, not_the_layout, refusal
 
 log = logging.getLogger(__name__)
 
@@ -50,12 +51,6 @@ def needs_fake_step(cfg: TrainConfig) -> bool:
     m = cfg.mesh
     return cfg.distributed.preflight_step and (
         max(m.tp_size, m.cp_size, m.ep_size, cfg.layout.pp) > 1 or casts_parameters(cfg))
-
-
-def casts_parameters(cfg: TrainConfig) -> bool:
-    """The mixed-precision policy computes in another dtype than float32."""
-    mp = cfg.mp_policy
-    return mp is not None and mp.kwargs.get("param_dtype") not in (None, "float32")
 
 
 def check_fake_step(cfg: TrainConfig) -> None:
@@ -182,8 +177,11 @@ def _judge(failure: Exception | None, layout: str, rank_class, layers: int,
                     "(%s); the job starts without this check", layout, rank_class.name,
                     failure.module, type(_root_cause(failure.error)).__name__)
     elif isinstance(failure, ModuleFailed):
-        raise ConfigError(_refusal(cfg, layout, rank_class, layers, failure.module,
-                                   _root_cause(failure.error))) from None
+        err = _root_cause(failure.error)
+        if _fails_alone(cfg):
+            raise ConfigError(not_the_layout(cfg, layers, failure.module, err)) from None
+        raise ConfigError(refusal(cfg, layout, rank_class, layers, failure.module,
+                                  err)) from None
     else:
         log.warning("preflight: the fake step of %s could not run %s outside the model's "
                     "forward (%s: %s); the job starts without this check", layout,
@@ -197,32 +195,20 @@ def _root_cause(err: BaseException) -> BaseException:
     return err
 
 
-def _refusal(cfg: TrainConfig, layout: str, rank_class, layers: int, module: str,
-             err: BaseException) -> str:
-    from automodel.launch.preflight import family_name
+def _fails_alone(cfg: TrainConfig) -> bool:
+    """Whether the step also fails in one process without parallelism (same model, options
+    and batch shapes); False where that step cannot be run here."""
+    from automodel.launch.step_refusal import one_process
+    from automodel.planning.fake import ModuleFailed
+    from automodel.planning.plan import rank_classes
+    from automodel.planning.simulate import fake_step
 
-    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-    what = f"{type(err).__name__}: {' '.join(lines[:3])[:600].rstrip('.')}"
-    return (f"{family_name(cfg)} cannot train with {layout}: one training step of "
-            f"{rank_class.name} (rank {rank_class.rank}), run before launch on fake tensors "
-            f"with the model cut to {layers} layer{'s' if layers > 1 else ''}, fails in {module}: "
-            f"{what}. Every rank would fail the same way in step 1. {_advice(cfg, what)} "
-            "(distributed.preflight_step=false skips this check.)")
-
-
-def _advice(cfg: TrainConfig, what: str) -> str:
-    if casts_parameters(cfg) and any(w in what.lower() for w in _DTYPE_WORDS):
-        dtype = cfg.mp_policy.kwargs["param_dtype"]
-        return (f"The model's forward does not take its weights in {dtype} "
-                f"(parallelism.mp_policy casts them): train it with float32 weights, "
-                "parallelism.mp_policy={_target_:torch.distributed.fsdp.MixedPrecisionPolicy,"
-                "param_dtype:float32,reduce_dtype:float32}.")
-    return ("Choose another layout (e.g. without mesh.tp_size, mesh.cp_size, the pipeline or "
-            "mesh.ep_size; docs/options.md lists what each family supports), or give the "
-            "model a parallelism.tp_plan of its own.")
-
-
-_DTYPE_WORDS = ("dtype", "bfloat16", "float16", "half", "scalar type")
+    try:
+        alone = one_process(cfg)
+    except Exception:  # (a configuration one process cannot hold)
+        return False
+    failure = _try_step(fake_step, alone, rank_classes(alone)[0])
+    return isinstance(failure, ModuleFailed) and not _reads_values(failure)
 
 
 def cut_down(cfg: TrainConfig) -> tuple[TrainConfig, int]:

@@ -87,7 +87,8 @@ def _run_here(cfg: TrainConfig, external: bool):
             failure.report(err, rank)
         if external and os.environ.get("TORCHELASTIC_ERROR_FILE"):
             failure.write_error_file(os.environ["TORCHELASTIC_ERROR_FILE"], err, rank)
-        raise LaunchError(failure.summary(err, rank)) from err
+        raise LaunchError(failure.summary(err, rank, failure.write_traceback(err, rank))) \
+            from err
 
 
 def run_on_local_ranks(entry, nproc: int, *args, name: str = "automodel",

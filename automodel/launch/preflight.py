@@ -235,16 +235,6 @@ def _first_line(err: Exception) -> str:
     return " ".join(lines[:2])[:500]
 
 
-def family_name(cfg: TrainConfig) -> str:
-    """The model's class and model_type, from its config (nothing built)."""
-    from automodel.compat import causal_lm_class, has_causal_lm
-    from automodel.models.builder import hf_config
-
-    config = hf_config(cfg.model)
-    name = causal_lm_class(config).__name__ if has_causal_lm(config) else type(config).__name__
-    return f"{name} (model_type {config.model_type!r})"
-
-
 def _which(cfg: TrainConfig) -> str:
     m = cfg.model
     return (f"model.pretrained_path={m.pretrained_path!r}" if m.pretrained_path else

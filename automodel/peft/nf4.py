@@ -20,17 +20,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from automodel.compat.torchao_nf4 import patch_nf4_clone
+from automodel.compat.torchao_nf4 import patch_nf4_clone, patch_one_rank_unshard
 
 _SHARDED = ("quantized_data", "quantization_factor", "quantized_scalers")  # split by rows
 _WHOLE = ("scaler_mean", "nf4")  # one value / the 16 levels: every shard holds them
 
 
 def _torchao():
-    """torchao's NF4 module (imported on first use; its ``clone`` made exact)."""
+    """torchao's NF4 module (imported on first use; its ``clone`` made exact, and FSDP2's
+    one-rank unshard given every inner tensor)."""
     from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor
 
     patch_nf4_clone(nf4_tensor)
+    patch_one_rank_unshard()
     return nf4_tensor
 
 

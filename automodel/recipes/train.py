@@ -24,7 +24,7 @@ from automodel.distributed.context_parallel import build_context_parallel
 from automodel.distributed.init import DistInfo, destroy_distributed, init_distributed
 from automodel.distributed.mesh import MeshAxis, MeshContext, build_mesh_for
 from automodel.distributed.setup import DistributedSetup, named_hook
-from automodel.launch.failure import set_phase
+from automodel.launch.failure import keep_tracebacks_in, set_phase
 from automodel.recipes.components import build_components, restore
 from automodel.recipes.finish import close, raise_if_stopped, save_last
 from automodel.recipes.loop import run_steps, start_run
@@ -125,6 +125,7 @@ def train(cfg: TrainConfig, info: DistInfo, mesh: MeshContext | None = None) -> 
     inside the mesh's group and the model's first rank writes the files."""
     setup = build_setup(cfg, info, mesh)
     output_dir = _agree_output_dir(cfg.output_dir, setup)
+    keep_tracebacks_in(output_dir)  # (a rank that fails from here writes its traceback there)
     handlers = _setup_logging(output_dir, setup.dist)
     try:
         return _train(cfg, setup, output_dir)

@@ -69,10 +69,16 @@ def test_a_chained_error_in_a_rank_is_summarized(layout, monkeypatch, tmp_path):
     monkeypatch.setenv("AUTOMODEL_FAULTS", f"raise@2:{rank}")
     with pytest.raises(LaunchError) as err:
         train(layout + ["trainer.max_steps=3"], tmp_path)
-    # the rank with the cause comes first (its peer only saw the connection close)
-    assert re.match(rf"rank {rank} failed( \(exit code 1\))? during step 2: {ROOT_CAUSE}",
-                    str(err.value)), str(err.value)
+    # the rank with the cause comes first (its peer only saw the connection close); its
+    # whole traceback is in the run's folder, and the message names the file
+    file = tmp_path / f"traceback_rank{rank}.txt"
+    assert re.match(rf"rank {rank} failed( \(exit code 1\))? during step 2: {ROOT_CAUSE} "
+                    rf"\(traceback: {file}\)", str(err.value)), str(err.value)
     assert "To enable traceback" not in str(err.value)
+    text = file.read_text()
+    assert text.startswith(f"rank {rank} failed during step 2\n")
+    assert "Traceback (most recent call last)" in text and "in before_step" in text  # (its frames)
+    assert "ValueError: injected root cause at step 2" in text
 
 
 def test_torchrun_ranks_summarize_their_failure(tmp_path):
@@ -83,7 +89,8 @@ def test_torchrun_ranks_summarize_their_failure(tmp_path):
               cmd=[sys.executable, "-m", "torch.distributed.run"])
     assert out.returncode != 0
     # the rank's own line, and torchrun's summary carries the same text
-    assert re.search(rf"automodel: rank 1 failed during step 2: {ROOT_CAUSE}", out.stderr)
+    assert re.search(rf"automodel: rank 1 failed during step 2: {ROOT_CAUSE} \(traceback: "
+                     r"\S+/traceback_rank1.txt\)", out.stderr)
     assert re.search(rf"traceback : automodel: rank 1 failed during step 2: {ROOT_CAUSE}",
                      out.stderr), out.stderr[-3000:]
 

@@ -249,3 +249,46 @@ def test_a_tower_that_fails_once_cut_is_stepped_whole(monkeypatch, caplog):
     assert "with the vision tower cut to 1 layers fails (" in caplog.text
     assert "stepping the whole tower" in caplog.text and "WARNING" not in caplog.text
     assert "one step of parallelism=fsdp2 pipeline=none tp 2 on fake tensors" in caplog.text
+
+
+def _register_a_model_that_fails_in_every_layout():
+    """A Llama whose MLP raises in its forward (in one process as under any layout),
+    registered with transformers under its own model type for this process."""
+    from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    class BrokenConfig(LlamaConfig):
+        model_type = "automodel_test_broken"
+
+    class BrokenMLP(LlamaMLP):
+        def forward(self, x):
+            raise ValueError("this MLP is broken in every layout")
+
+    class BrokenForCausalLM(LlamaForCausalLM):
+        config_class = BrokenConfig
+
+        def __init__(self, config):
+            super().__init__(config)
+            for layer in self.model.layers:
+                layer.mlp.__class__ = BrokenMLP
+
+    if BrokenConfig.model_type not in AutoConfig.for_model.__globals__["CONFIG_MAPPING"]:
+        AutoConfig.register(BrokenConfig.model_type, BrokenConfig)
+        AutoModelForCausalLM.register(BrokenConfig, BrokenForCausalLM)
+    return BrokenConfig.model_type
+
+
+def test_a_failure_no_layout_causes_says_so_and_gives_the_real_error():
+    """A forward that fails in one process too is not blamed on the layout: the message says
+    no layout avoids it and where the error was raised; a layout's own failure still names
+    the layout keys this job set (and only those)."""
+    model_type = _register_a_model_that_fails_in_every_layout()
+    msg = _refusal(f"model.config.model_type={model_type}", "mesh.tp_size=2")
+    assert "cannot train: one training step" in msg
+    assert "fails in model.layers.0.mlp: ValueError: this MLP is broken in every layout " \
+           "(raised in tests/launch/test_fake_step.py:" in msg
+    assert "no layout avoids it" in msg and "Choose another" not in msg
+    msg = _refusal("mesh.tp_size=2", Q_ONLY)  # (the layout's own failure)
+    assert "One process without parallelism takes the same step" in msg
+    assert "Choose another layout, without mesh.tp_size=2 (" in msg
+    assert "pipeline" not in msg.split("Choose another")[1]
