@@ -94,7 +94,10 @@ class BackgroundSaver:
                 faults.in_save(step)
         except BaseException as err:  # (reported to every rank, raised by training)
             error = f"rank {self.rank}: {describe(err)}"
-        errors = [e for e in _gather(error, self.group) if e]
+        try:
+            errors = [e for e in _gather(error, self.group) if e]
+        except BaseException as err:  # (the group broke: a write timed out, a rank died)
+            return error or f"rank {self.rank}: {describe(err)}"
         if errors:
             return "; ".join(errors)
         try:

@@ -68,12 +68,14 @@ def stop_checkpoint_writer() -> None:
         process.__del__()
 
 
-def set_all_group_timeouts(timeout: datetime.timedelta) -> None:
-    """Give every process group of this rank (default, mesh and sub-groups) ``timeout``."""
+def set_all_group_timeouts(timeout: datetime.timedelta, keep=()) -> None:
+    """Give every process group of this rank (default, mesh and sub-groups) ``timeout``, but
+    those of ``keep``."""
     from torch.distributed import distributed_c10d as c10d
 
     for pg in list(c10d._world.pg_map):
-        c10d._set_pg_timeout(timeout, pg)
+        if not any(pg is k for k in keep):
+            c10d._set_pg_timeout(timeout, pg)
 
 
 def new_gloo_options():

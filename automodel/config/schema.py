@@ -31,8 +31,8 @@ class DistributedConfig:
     """Process-group init and local launch."""
 
     backend: Optional[str] = None  # null = nccl with CUDA, else gloo
-    timeout_minutes: int = 1  # collective timeout during training, every mesh sub-group too
-    startup_timeout_minutes: int = 30  # the same until the first step ends, and around what
+    timeout_minutes: float = 1  # collective timeout during training, every mesh sub-group too
+    startup_timeout_minutes: float = 30  # the same until the first step ends, and around what
     # rank 0 does alone (checkpoint save and export, W&B start and finish)
     nproc_per_node: Optional[int] = None  # null = product of mesh sizes (2 for DP strategies)
     # before launch, one training step of each pipeline rank on fake tensors (the model cut to
@@ -332,6 +332,9 @@ class CheckpointConfig:
     # the background (one save at a time; the last save of a run blocks)
     async_mode: AsyncMode = AsyncMode.none
     pinned_memory: bool = False  # async saves copy the state into pinned host memory (GPUs)
+    # how long a save's collectives wait for the slowest rank: a blocking save with its export,
+    # and the whole background write of an async save (its group keeps this timeout)
+    save_timeout_minutes: float = 30
 
 
 @dataclass

@@ -30,6 +30,11 @@ def _positive(path: str, value, minimum: int = 1) -> None:
         raise ConfigError(f"{path}={value}: must be >= {minimum}")
 
 
+def _above_zero(path: str, value) -> None:
+    if value is not None and not value > 0:
+        raise ConfigError(f"{path}={value}: must be > 0 (minutes; 0.5 is 30 seconds)")
+
+
 def check_dtype(path: str, value, allow_none: bool = True) -> None:
     if value is None and allow_none:
         return
@@ -42,8 +47,8 @@ def check_distributed(d: s.DistributedConfig) -> None:
     if d.backend is not None and d.backend not in ("gloo", "nccl", "mpi", "ucc", "xccl"):
         raise ConfigError(f"distributed.backend={d.backend!r}: allowed: gloo, nccl, mpi, ucc, "
                           "xccl, or null (nccl with CUDA, else gloo)")
-    _positive("distributed.timeout_minutes", d.timeout_minutes)
-    _positive("distributed.startup_timeout_minutes", d.startup_timeout_minutes)
+    _above_zero("distributed.timeout_minutes", d.timeout_minutes)
+    _above_zero("distributed.startup_timeout_minutes", d.startup_timeout_minutes)
     _positive("distributed.nproc_per_node", d.nproc_per_node)
     _positive("distributed.stop_grace_seconds", d.stop_grace_seconds, 0)
     _positive("distributed.max_restarts", d.max_restarts, 0)
@@ -165,6 +170,7 @@ def check_checkpoint(c: s.CheckpointConfig) -> s.CheckpointConfig:
     if c.export_dtype is not None and c.export_dtype not in EXPORT_DTYPES:
         raise ConfigError(f"checkpoint.export_dtype={c.export_dtype!r}: use one of "
                           f"{', '.join(EXPORT_DTYPES)}, or null (as trained)")
+    _above_zero("checkpoint.save_timeout_minutes", c.save_timeout_minutes)
     unknown = [k for k in c.exclude_from_loading if k not in LOAD_PARTS]
     if unknown:
         hint = (" (a checkpoint's weights are always loaded: to start without them, leave "

@@ -119,7 +119,19 @@ def set_collective_timeout(timeout: datetime.timedelta, group=None) -> None:
     from automodel.compat import set_all_group_timeouts
 
     dist.barrier(group=group)
-    set_all_group_timeouts(timeout)
+    set_all_group_timeouts(timeout, keep=_OWN_TIMEOUT)
+
+
+# groups that keep the timeout they were made with (the background saver's: its write runs
+# across training steps under checkpoint.save_timeout_minutes)
+_OWN_TIMEOUT: list = []
+
+
+def new_group_with_own_timeout(timeout: datetime.timedelta, desc: str):
+    """A gloo group of every rank, whose timeout ``set_collective_timeout`` never changes."""
+    group = dist.new_group(backend="gloo", group_desc=desc, timeout=timeout)
+    _OWN_TIMEOUT.append(group)
+    return group
 
 
 def destroy_distributed() -> None:
@@ -127,6 +139,7 @@ def destroy_distributed() -> None:
         # Free wrapped models (DDP reducers, FSDP states) first: a group destroyed under a
         # live DDP reducer can abort the process in gloo's destructor.
         gc.collect()
+        _OWN_TIMEOUT.clear()
         dist.destroy_process_group()
         from automodel.compat.torch_dist import forget_meshes
 

@@ -58,7 +58,9 @@ def task_exit_code(stopped) -> int:
 def srun_function() -> str:
     """The bash function ``srun`` that starts a failed step again. The restarts allowed:
     ``$AUTOMODEL_MAX_RESTARTS``, else ``distributed.max_restarts=N`` among srun's arguments,
-    else 0. Each step gets ``AUTOMODEL_MAX_RESTARTS`` and its attempt number
+    else 0. Each step runs with ``--kill-on-bad-exit=1`` (a dead rank ends its step at once;
+    an srun argument of the script's own comes after it and wins), and gets
+    ``AUTOMODEL_MAX_RESTARTS`` and its attempt number
     ``AUTOMODEL_SRUN_ATTEMPT``; the ranks check the first against their config. A step that a
     stop signal ended sets ``$automodel_stopped`` (the job script's requeue reads it)."""
     stopped = "|".join(str(c) for c in stopped_exit_codes())
@@ -72,7 +74,7 @@ def srun_function() -> str:
     done
   fi
   while :; do
-    {ALLOWED_ENV}=$allowed {ATTEMPT_ENV}=$attempt command srun "$@"
+    {ALLOWED_ENV}=$allowed {ATTEMPT_ENV}=$attempt command srun --kill-on-bad-exit=1 "$@"
     rc=$?
     case "$rc" in
       0|{CONFIG_ERROR_EXIT}) return "$rc" ;;

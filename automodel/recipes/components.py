@@ -22,7 +22,7 @@ from automodel.config.resolve import TrainConfig
 from automodel.config.validate import LOAD_PARTS
 from automodel.data.batches import BatchPlan
 from automodel.data.sources import training_data
-from automodel.distributed.init import DistInfo
+from automodel.distributed.init import DistInfo, new_group_with_own_timeout
 from automodel.distributed.materialize import (
     full_initial_state,
     load_slices,
@@ -164,7 +164,8 @@ def _checkpointer(cfg: TrainConfig, info: DistInfo, group, faults: Faults, outpu
 
 def _background_saver(cfg: TrainConfig, info: DistInfo, group):
     """``checkpoint.async_mode``: the background saver, with its own gloo group of the model's
-    ranks (made once; a background collective must not share the training's group)."""
+    ranks (made once; a background collective must not share the training's group), which
+    keeps ``checkpoint.save_timeout_minutes`` for the whole write, across training steps."""
     c = cfg.checkpoint
     if c.async_mode == AsyncMode.none:
         return None
@@ -176,9 +177,8 @@ def _background_saver(cfg: TrainConfig, info: DistInfo, group):
             raise ValueError("checkpoint.async_mode: a job holding several models saves "
                              "synchronously (its background group would need every model's "
                              "ranks); set checkpoint.async_mode=none")
-        saver_group = dist.new_group(backend="gloo", group_desc="checkpoint",
-                                     timeout=datetime.timedelta(
-                                         minutes=cfg.distributed.timeout_minutes))
+        saver_group = new_group_with_own_timeout(
+            datetime.timedelta(minutes=c.save_timeout_minutes), "checkpoint")
     return BackgroundSaver(c.async_mode, saver_group, info.rank, c.pinned_memory)
 
 

@@ -9,6 +9,7 @@ prefetcher) and where the loop is; ``recipes/finish.py`` closes it.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import logging
 import time
 from dataclasses import dataclass
@@ -70,7 +71,8 @@ class Run:
         if self.steplog.tracker is not None:  # (a resumed run continues this W&B run)
             extra["wandb_run_id"] = self.steplog.tracker.run.id
         start = time.monotonic()
-        with startup_timeout(info, self.group):  # rank 0 exports and prunes alone
+        with longer_timeout(info, self.group, datetime.timedelta(  # (rank 0 exports and
+                minutes=cfg.checkpoint.save_timeout_minutes)):  # prunes alone)
             set_phase(f"checkpoint save (step {step_number}, "
                       f"{parts.checkpointer.path(step_number)})")
             last = step_number == cfg.trainer.max_steps
@@ -189,9 +191,10 @@ def _step_and_update(run: Run, number: int, micro) -> StepValues:
 
 
 @contextlib.contextmanager
-def startup_timeout(info: DistInfo, group):
-    """Collectives wait up to the start-up timeout inside (work one rank does alone)."""
-    set_collective_timeout(info.startup_timeout, group)
+def longer_timeout(info: DistInfo, group, timeout: datetime.timedelta):
+    """Collectives wait up to ``timeout`` inside (a save: ranks write at their own pace, and
+    rank 0 completes it alone), then the training timeout again."""
+    set_collective_timeout(max(timeout, info.timeout), group)
     try:
         yield
     finally:

@@ -44,7 +44,7 @@ TRAINER = ("max_steps", "global_batch_size", "local_batch_size", "seq_len", "see
 CHECKPOINT = {"every_steps": None, "dir": None, "keep_last": 3, "resume": None,
               "export_hf": "never", "export_dtype": None, "last_save_model_only": False,
               "exclude_from_loading": [], "initial_load_path": None, "async_mode": "none",
-              "pinned_memory": False}
+              "pinned_memory": False, "save_timeout_minutes": 30.0}
 
 
 @pytest.mark.parametrize("choice,expected", [("ddp", DDP), ("fsdp2", FSDP2), ("hsdp", FSDP2),

@@ -94,6 +94,30 @@ def test_a_failed_background_write_ends_the_job_naming_its_cause(tmp_path, monke
     assert [os.path.basename(p) for p in complete_checkpoints(root)] == ["step_00000002"]
 
 
+# a training timeout of 6 s; rank 1's background write of step 2 starts 10 s after rank 0's
+SLOW_RANK = ["trainer.max_steps=4", "distributed.timeout_minutes=0.1",
+             "checkpoint.async_mode=thread"]
+
+
+def test_a_background_write_keeps_the_save_timeout_while_one_rank_trails(tmp_path,
+                                                                         monkeypatch):
+    """The background save's group keeps ``checkpoint.save_timeout_minutes`` (30 by default)
+    across the training steps, whose own timeout is 6 s here: rank 1's write, 10 s behind
+    rank 0's (``slow_save`` on rank 1 only), completes. With a save timeout of 3 s the same
+    write fails, naming the timeout (the option is what kept it alive)."""
+    monkeypatch.setenv("AUTOMODEL_FAULTS", "slow_save@10:1")
+    records = train(FSDP2 + RUN + SLOW_RANK, tmp_path / "kept")
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert [os.path.basename(p) for p in complete_checkpoints(
+        str(tmp_path / "kept" / "checkpoints"))] == ["step_00000002", "step_00000004"]
+    assert "checkpoint written: " in _log(tmp_path / "kept")  # (step 2's, in the background)
+    with pytest.raises(LaunchError) as err:
+        api_run(ON_CPU + BASE + FSDP2 + RUN + SLOW_RANK + ["checkpoint.save_timeout_minutes=0.05"],
+                str(tmp_path / "short"))
+    assert re.search(r"the background save of step 2's checkpoint .* failed: rank 0: .*"
+                     r"Timed out", str(err.value)), str(err.value)
+
+
 @pytest.mark.fast  # one process, no process group
 def test_async_options_that_cannot_work_are_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"checkpoint.async_mode=thread saves in the "

@@ -88,8 +88,10 @@ def miniature(script: str) -> str:
         words = [_smaller(w) for w in line.split(" ")]
         out.append(" ".join(words))
     text = "\n".join(out) + "\n"
-    assert text.count("srun python train.py ") == 1, "one srun line per script"
-    return text.replace("srun python train.py ", f"srun python train.py {' '.join(ON_CPU)} ")
+    # one srun line per script, which ends every task when one dies (docs/failures.md)
+    line = "srun --kill-on-bad-exit=1 python train.py "
+    assert text.count(line) == 1, "one srun line per script"
+    return text.replace(line, f"{line}{' '.join(ON_CPU)} ")
 
 
 def _smaller(word: str) -> str:

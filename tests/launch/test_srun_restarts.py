@@ -62,7 +62,9 @@ def test_a_failed_step_is_started_again_until_it_passes_or_the_restarts_are_spen
     assert rc == 0
     assert [c.split(" args=")[0] for c in calls] == [
         "attempt=0 allowed=2", "attempt=1 allowed=2", "attempt=2 allowed=2"]
-    assert all(c.endswith("args=python train.py distributed.max_restarts=2") for c in calls)
+    # (a dead rank ends the step at once: SLURM kills the others)
+    assert all(c.endswith("args=--kill-on-bad-exit=1 python train.py "
+                          "distributed.max_restarts=2") for c in calls)
     assert "srun ended with exit code 137; starting the job's ranks again (in-job restart 2 " \
            "of distributed.max_restarts=2)" in err
     rc, calls, err = _run(tmp_path, DEFINE + "srun -n 2 python train.py "
@@ -90,7 +92,7 @@ def test_the_restarts_come_from_the_environment_first_then_the_srun_line(tmp_pat
                         [1, 1, 1], env_extra={ALLOWED_ENV: "1"})
     assert (rc, len(calls)) == (1, 2)
     rc, calls, _ = _run(tmp_path, DEFINE + "srun python train.py", [1, 0])  # none allowed
-    assert (rc, calls) == (1, ["attempt=0 allowed=0 args=python train.py"])
+    assert (rc, calls) == (1, ["attempt=0 allowed=0 args=--kill-on-bad-exit=1 python train.py"])
 
 
 def test_the_job_script_lines_give_each_sweep_job_its_own_restarts(tmp_path):
