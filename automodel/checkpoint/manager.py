@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from automodel.checkpoint.export_job import JobExport
 from automodel.checkpoint.paths import checkpoint_path, complete_checkpoints
 from automodel.checkpoint.verify import CheckpointError, check_files, check_keys
 from automodel.compat import flatten_state_dict
@@ -138,9 +139,10 @@ class Checkpointer:
 
     def __init__(self, root: str, keep_last: int | None, rank: int, faults=None,
                  size_estimate: int = 0, group=None, trainable_only: bool = False,
-                 background=None, export_dtype: str | None = None):
+                 background=None, export_dtype: str | None = None,
+                 export_shard: str = "5GB"):
         self.background = background  # a BackgroundSaver (checkpoint.async_mode) or None
-        self.export_dtype = export_dtype  # the Hugging Face export's weights (None: as saved)
+        self.export = JobExport(export_dtype, export_shard)  # the Hugging Face export
         self.root = root
         self.options = TRAINABLE_ONLY if trainable_only else OPTIONS
         self.keep_last = keep_last
@@ -166,6 +168,8 @@ class Checkpointer:
         if self.background is not None:
             self.background.wait(f"the save of step {step}")
             self.background.raise_if_failed()
+        if export_hf:
+            self.export.place(self.group, self.rank)
         meta = {**self._meta(step, scheduler, extra), **({"model_only": True} if model_only
                                                         else {})}
         job = _SaveJob(step, tmp, meta, model_config, export_hf,
@@ -229,15 +233,13 @@ class Checkpointer:
         if self.faults is not None:
             self.faults.in_save(job.step)
         _barrier(self.group)
-        if self.rank == 0:
-            self._publish(job)
+        self._complete(job, self.group)
         _barrier(self.group)
         return self.path(job.step)
 
     def _start_background(self, job: "_SaveJob", state: dict) -> str:
         def finish():
-            if self.rank == 0:
-                self._publish(job)
+            self._complete(job, self.background.group)
 
         with _quiet_single_process():
             self.background.start(job.step, self.path(job.step), state, job.tmp, finish,
@@ -249,19 +251,31 @@ class Checkpointer:
         return copy.deepcopy({"step": step, "scheduler": scheduler.state_dict(),
                               "world_size": _ranks(self.group), **(extra or {})})
 
-    def _publish(self, job: "_SaveJob") -> None:
-        """Rank 0, once every rank's shards are written: the shared files, the export, then
-        the atomic rename that makes the checkpoint visible, and ``keep_last``."""
-        final, tmp = self.path(job.step), job.tmp
-        if job.model_config is not None:
-            with open(os.path.join(tmp, "model_config.json"), "w") as f:
-                json.dump(job.model_config, f, indent=1, sort_keys=True)
-        with open(os.path.join(tmp, "trainer.json"), "w") as f:
-            json.dump(job.meta, f, indent=1)
-        if job.export_hf:
-            from automodel.checkpoint.hf_export import export_hf as export
+    def _complete(self, job: "_SaveJob", group) -> None:
+        """Every rank of ``group``, once every rank's shards are written: rank 0 writes the
+        shared files; the export's writers (one rank per host) write their files of it;
+        rank 0 finishes the export and publishes the checkpoint."""
+        if self.rank == 0:
+            self._write_records(job)
+        export = (self.export.write_share(job.tmp, job.model_config, job.meta, job.step, group,
+                                          self.rank) if job.export_hf else None)
+        if self.rank == 0:
+            if export is not None:
+                export.finish(os.path.join(job.tmp, "hf.tmp"), os.path.join(job.tmp, "hf"),
+                              job.tokenizer)
+            self._publish(job)
 
-            export(tmp, os.path.join(tmp, "hf"), job.tokenizer, self.export_dtype)
+    def _write_records(self, job: "_SaveJob") -> None:
+        if job.model_config is not None:
+            with open(os.path.join(job.tmp, "model_config.json"), "w") as f:
+                json.dump(job.model_config, f, indent=1, sort_keys=True)
+        with open(os.path.join(job.tmp, "trainer.json"), "w") as f:
+            json.dump(job.meta, f, indent=1)
+
+    def _publish(self, job: "_SaveJob") -> None:
+        """Rank 0, once every rank's shards and the export are written: the atomic rename
+        that makes the checkpoint visible, and ``keep_last``."""
+        final, tmp = self.path(job.step), job.tmp
         old = os.path.join(self.root, f".old-step_{job.step:08d}")
         if os.path.isdir(final):  # the same step saved by an earlier run: keep it until
             os.replace(final, old)  # the new one is in place

@@ -33,6 +33,7 @@ from automodel.compat.hf import (
     keep_output_recording,
     packed_sequence_finder,
     patch_is_packed_sequence,
+    saved_layout,
 )
 from automodel.compat.pipeline_stage import (
     computation_types,
@@ -123,7 +124,8 @@ __all__ = [
     "foreach_mul_", "foreach_norm", "get_parameter", "is_packed_sequence_patched",
     "keep_output_recording", "local_shape_and_offset", "local_tensor", "new_gloo_options",
     "packed_sequence_finder", "parameters_on_meta", "patch_is_packed_sequence",
-    "replace_parameter_table", "set_all_group_timeouts", "set_buffer", "set_options_timeout",
+    "replace_parameter_table", "saved_layout", "set_all_group_timeouts", "set_buffer",
+    "set_options_timeout",
     "set_parameter", "stages_of", "unwrapped_name", "wrap_recv_methods",
     "FLIGHT_RECORDER_ENV", "flight_recorder_entries", "dispatch_mode_base",
     "is_tensor_subclass", "is_tensor_subclass_type", "map_tensors", "tensor_leaves",

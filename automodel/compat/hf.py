@@ -21,6 +21,9 @@ INTERNALS = [
     Internal("transformers", "PreTrainedModel._can_set_attn_implementation",
              "context parallelism (mesh.cp_size>1): refusing models outside the attention "
              "interface", patched=False, params=()),
+    Internal("transformers.core_model_loading", "revert_weight_conversion",
+             "the Hugging Face export (each file's tensors under the names and shapes "
+             "save_pretrained writes)", patched=False, params=("model", "state_dict")),
     Internal("transformers", "AutoModelForCausalLM._model_mapping",
              "the pre-launch model check (which configs build a causal LM)", patched=False,
              check=lambda m: None if hasattr(m, "__contains__") and hasattr(m, "__getitem__")
@@ -108,3 +111,12 @@ def input_embeddings(model):
         return model.get_input_embeddings()
     except (NotImplementedError, AttributeError):
         return None
+
+
+def saved_layout(model, state: dict) -> dict:
+    """``state`` (some of ``model``'s tensors, under its names) as ``save_pretrained`` writes
+    them: the renames and splits transformers applies when it loads reverted (an image-text
+    model's ``language_model.model.*``, a MoE model's experts one by one)."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return revert_weight_conversion(model, state)

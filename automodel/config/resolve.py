@@ -92,6 +92,13 @@ class TrainConfig:
                                             self.trainer.local_batch_size)
 
 
+def _compute_dtype(mp_policy, par, model: s.ModelConfig) -> str:
+    """The dtype the layers compute in: the mixed-precision policy's, else autocast's, else
+    the model's own."""
+    cast = mp_policy.kwargs.get("param_dtype") if mp_policy is not None else None
+    return cast or getattr(par, "autocast_dtype", None) or model.dtype
+
+
 LAYOUT_MODES = ("manual", "auto")
 
 
@@ -203,7 +210,8 @@ def resolve(cfg, env: Optional[Mapping[str, str]] = None, output_dir: str = ".",
     logger = build(s.LoggerConfig, plain.get("logger"), "logger")
     checkpoint = build(s.CheckpointConfig, plain.get("checkpoint"), "checkpoint")
     checkpoint = check_checkpoint(checkpoint)
-    peft = check_peft(build(s.PeftConfig, plain.get("peft"), "peft"), strategy, layout)
+    peft = check_peft(build(s.PeftConfig, plain.get("peft"), "peft"), strategy, layout,
+                      _compute_dtype(resolved_par.mp_policy, par, model))
     experiment = plain.get("experiment")
     layout_mode = _layout_mode(plain)
     checkpoint = resolve_checkpoint(checkpoint, experiment, output_dir, sweep_dir,

@@ -212,6 +212,10 @@ class PeftConfig:
     target_modules: Optional[List[str]] = None
     exclude_modules: List[str] = field(default_factory=list)  # patterns taken out again
     lora_dtype: str = "float32"  # the adapters' storage dtype
+    # the frozen base's storage dtype (it takes no optimizer step: no float32 master copy
+    # needed); null: the compute dtype (the mp_policy's param_dtype, else
+    # parallelism.autocast_dtype, else model.dtype): bfloat16 under the default policy
+    base_dtype: Optional[str] = None
     init_lora_weights: LoraInit = LoraInit.kaiming  # how A starts (B starts at zero)
     use_dora: bool = False  # DoRA: a trained length per output row (lora_magnitude_vector)
     experts: bool = False  # adapters on every expert of the MoE layers' fused 3-D weights
@@ -319,7 +323,8 @@ class CheckpointConfig:
     # and false: every and never)
     export_hf: str = "never"
     export_dtype: Optional[str] = None  # the export's weights: float32 | bfloat16 | float16;
-    # null: as trained (model.dtype)
+    # null: the model's source dtype (a pretrained model's stored dtype, else model.dtype)
+    export_max_shard_size: str = "5GB"  # the export's largest safetensors file (5GB, 500MB)
     last_save_model_only: bool = False  # the checkpoint of trainer.max_steps without optimizer
     # what a load leaves out, of: optimizer, scheduler (the LR schedule), step (the step
     # counter and the data position: the run starts at step 0), rng

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 
 from automodel.config import schema as s
 from automodel.config.build import ConfigError
@@ -23,6 +24,21 @@ log = logging.getLogger(__name__)
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16", "float64")
 
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def shard_bytes(size) -> int:
+    """``"5GB"``, ``"500MiB"`` or a number of bytes, as bytes (``save_pretrained``'s
+    ``max_shard_size`` spelling: GB = 10^9, GiB = 2^30)."""
+    if isinstance(size, int) and size > 0:
+        return size
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b|b)?\s*", str(size).lower())
+    if m is None or not float(m.group(1)) > 0:
+        raise ValueError(f"{size!r} is not a size: write e.g. 5GB, 500MB or 2GiB")
+    return int(float(m.group(1)) * _UNITS[m.group(2) or ""])
 
 
 def _positive(path: str, value, minimum: int = 1) -> None:
@@ -171,6 +187,10 @@ def check_checkpoint(c: s.CheckpointConfig) -> s.CheckpointConfig:
         raise ConfigError(f"checkpoint.export_dtype={c.export_dtype!r}: use one of "
                           f"{', '.join(EXPORT_DTYPES)}, or null (as trained)")
     _above_zero("checkpoint.save_timeout_minutes", c.save_timeout_minutes)
+    try:
+        shard_bytes(c.export_max_shard_size)
+    except ValueError as err:
+        raise ConfigError(f"checkpoint.export_max_shard_size: {err}") from None
     unknown = [k for k in c.exclude_from_loading if k not in LOAD_PARTS]
     if unknown:
         hint = (" (a checkpoint's weights are always loaded: to start without them, leave "

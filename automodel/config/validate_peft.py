@@ -16,10 +16,12 @@ ALL_LINEAR = "all-linear"
 NF4_KEYS = ("nf4_block_size", "nf4_scaler_block_size")  # options of peft=qlora only
 
 
-def check_peft(peft: s.PeftConfig, strategy, layout) -> s.PeftConfig:
+def check_peft(peft: s.PeftConfig, strategy, layout, compute_dtype: str = "float32"
+               ) -> s.PeftConfig:
     """``peft`` checked against its values, ``strategy`` (the chosen
     ``config.strategies.Strategy``: its ``adapters_refusal``) and ``layout`` (QLoRA's NF4
-    weights do not split under TP); returns a copy with the target patterns as lists."""
+    weights do not split under TP); returns a copy with the target patterns as lists and
+    ``base_dtype`` resolved (null: ``compute_dtype``, the dtype the layers compute in)."""
     if peft.method == PeftMethod.none:
         changed = _changed(peft, [f.name for f in dataclasses.fields(peft) if f.name != "method"])
         if changed:
@@ -40,6 +42,7 @@ def check_peft(peft: s.PeftConfig, strategy, layout) -> s.PeftConfig:
     if not 0.0 <= peft.dropout < 1.0:
         raise ConfigError(f"peft.dropout={peft.dropout}: a probability in [0, 1)")
     check_dtype("peft.lora_dtype", peft.lora_dtype, allow_none=False)
+    check_dtype("peft.base_dtype", peft.base_dtype)
     targets = list(peft.target_modules) if peft.target_modules is not None else None
     if targets is not None:
         if not targets:
@@ -55,7 +58,8 @@ def check_peft(peft: s.PeftConfig, strategy, layout) -> s.PeftConfig:
         raise ConfigError(f"peft={peft.method} with parallelism={strategy.name}: "
                           f"{strategy.adapters_refusal}")
     return dataclasses.replace(peft, target_modules=targets,
-                               exclude_modules=list(peft.exclude_modules))
+                               exclude_modules=list(peft.exclude_modules),
+                               base_dtype=peft.base_dtype or compute_dtype)
 
 
 def _check_nf4(peft: s.PeftConfig, layout) -> None:

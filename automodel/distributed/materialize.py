@@ -75,25 +75,6 @@ def full_initial_state(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
     return {**model.state_dict(), **dict(model.named_buffers())}
 
 
-def safetensors_files(path: str) -> dict[str, str] | None:
-    """Tensor name -> file of a safetensors checkpoint directory (single file or index), or
-    None when it has no safetensors."""
-    import json
-    import os
-
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index) as f:
-            return {k: os.path.join(path, v) for k, v in json.load(f)["weight_map"].items()}
-    single = os.path.join(path, "model.safetensors")
-    if not os.path.isfile(single):
-        return None
-    from safetensors import safe_open
-
-    with safe_open(single, framework="pt") as f:
-        return {k: single for k in f.keys()}
-
-
 def _local_window(target: DTensor, shape) -> tuple | None:
     """The slice of the full tensor this rank's shard holds, when it is one block."""
     if not all(type(p) in (Shard, Replicate) for p in target.placements):

@@ -11,7 +11,7 @@ from automodel.config import schema as s
 from automodel.config.enums import PeftMethod
 from automodel.models.experts import expert_modules
 from automodel.peft.experts import adapted_experts, add_expert_lora, expert_adapter_params
-from automodel.peft.lora import add_lora, initial_a, is_adapter, lora_modules
+from automodel.peft.lora import add_lora, fans, initial_a, is_adapter, lora_modules
 from automodel.peft.nf4 import dequantized, quantize
 from automodel.peft.targets import AdapterError, adapter_targets
 
@@ -28,7 +28,8 @@ def uses_adapters(peft: s.PeftConfig) -> bool:
 def add_adapters(model: nn.Module, peft: s.PeftConfig, loss: str = "auto",
                  freeze: tuple = ()) -> list[str]:
     """Put adapters on the targeted layers of ``model`` (built, on the host or the meta
-    device) and freeze every other parameter. Returns the adapted modules' names."""
+    device) and freeze every other parameter, stored in ``peft.base_dtype`` (null: as built).
+    Returns the adapted modules' names."""
     if not uses_adapters(peft):
         return []
     targets = adapter_targets(model, peft, loss, freeze)
@@ -37,8 +38,11 @@ def add_adapters(model: nn.Module, peft: s.PeftConfig, loss: str = "auto",
         log.warning("peft: the experts of %d MoE layers take no adapters (peft.experts=false): "
                     "they stay as they are, while the attention, shared experts and dense "
                     "layers get adapters", len(experts))
-    for p in model.parameters():
+    base = getattr(torch, peft.base_dtype) if peft.base_dtype else None
+    for p in model.parameters():  # (a tied weight is one parameter: cast once)
         p.requires_grad_(False)
+        if base is not None and p.is_floating_point() and p.dtype != base:
+            p.data = p.data.to(base)  # (the frozen base in peft.base_dtype)
     dtype = getattr(torch, peft.lora_dtype)
     for name in targets:
         module = model.get_submodule(name)
@@ -73,14 +77,14 @@ def init_adapters(parts: list[nn.Module], peft: s.PeftConfig, seed: int) -> None
 
     for part in parts:
         for name, m in lora_modules(part).items():
-            a = initial_a(unwrapped_name(name), (peft.rank, m.in_features), seed,
+            a = initial_a(unwrapped_name(name), (peft.rank, fans(m)[0]), seed,
                           str(peft.init_lora_weights))
             fill_from_full(m.lora_A.weight, a.to(m.lora_A.weight.dtype))
             fill_from_full(m.lora_B.weight, torch.zeros(m.lora_B.weight.shape,
                                                         dtype=m.lora_B.weight.dtype))
             if m.use_dora:
                 magnitude = m.lora_magnitude_vector
-                fill_from_full(magnitude, row_norms(m.weight).to(magnitude.dtype))
+                fill_from_full(magnitude, row_norms(m.out_in_weight()).to(magnitude.dtype))
         for name, m in adapted_experts(part).items():
             for weight, a, b in expert_adapter_params(m):
                 a0 = initial_a(f"{unwrapped_name(name)}.{weight}", tuple(a.shape), seed,

@@ -33,14 +33,18 @@ PEFT_PREFIX = "base_model.model."
 
 
 def adapter_record(peft: s.PeftConfig, modules: list[str], model: s.ModelConfig,
-                   seed: int, experts: dict | None = None) -> dict:
+                   seed: int, experts: dict | None = None,
+                   transposed: list[str] | None = None) -> dict:
     """What ``trainer.json`` keeps of a run's adapters, and of its base
-    (``base_ref.base_reference``: the checkpoint does not hold the base)."""
+    (``base_ref.base_reference``: the checkpoint does not hold the base). ``transposed``:
+    the adapted ``Conv1D`` layers (weights [in, out]: peft's ``fan_in_fan_out``)."""
     record = {"method": str(peft.method), "r": peft.rank, "lora_alpha": peft.alpha,
               "lora_dropout": peft.dropout, "use_dora": peft.use_dora,
               "target_modules": sorted(modules),
               "base_model_name_or_path": model.pretrained_path,
               "base": base_reference(model, seed)}
+    if transposed:
+        record["fan_in_fan_out"] = sorted(transposed)
     if experts:  # expert weights' full names -> stored transposed
         record["target_parameters"] = dict(experts)
     if nf4_record(peft) is not None:  # (the base trained on: each weight's NF4 values)
@@ -55,42 +59,49 @@ def nf4_record(peft: s.PeftConfig) -> dict | None:
     return {"block_size": peft.nf4_block_size, "scaler_block_size": peft.nf4_scaler_block_size}
 
 
-def base_state(record: dict, config) -> dict:
-    """The frozen base's weights a checkpoint references, on the host: read from its
-    directory, or built from its config and seed."""
-    from automodel.models.builder import build_model
-    from automodel.models.multimodal import auto_class
-
-    base = record["base"]
-    if "pretrained_path" in base:
-        model = auto_class(config).from_pretrained(base["pretrained_path"], dtype=torch.float32)
-        return model.state_dict()
-    return build_model(s.ModelConfig(config=base["config"], dtype=base["dtype"]),
-                       base["seed"]).state_dict()
-
-
 def split_state(state: dict) -> tuple[dict, dict]:
     """(base weights, adapters) of a full model state."""
     base = {k: v for k, v in state.items() if not is_adapter(k)}
     return base, {k: v for k, v in state.items() if is_adapter(k)}
 
 
+def adapters_of(names, record: dict) -> list[str]:
+    """The adapters' names that the merge of the base tensors ``names`` reads."""
+    names = set(names)
+    out = []
+    for module in record["target_modules"]:
+        if f"{module}.weight" in names:
+            out += [f"{module}.{child}.weight" for child in ADAPTER_CHILDREN]
+            out += [f"{module}.{MAGNITUDE}"] if record.get("use_dora") else []
+    for name in record.get("target_parameters", {}):
+        if name in names:
+            out += [name + suffix for suffix in EXPERT_SUFFIXES]
+    return out
+
+
 def merged(base: dict, adapters: dict, record: dict) -> dict:
-    """The base weights with every adapter's update added (computed in float32, stored in
-    the weight's dtype). A QLoRA run's adapters trained over the NF4 form of the weights:
-    the update is added to that (dequantized), which gives the trained model's logits."""
+    """The base weights (all, or some: each adapted weight among them merged) with every
+    adapter's update added (computed in float32, stored in the weight's dtype). A QLoRA run's
+    adapters trained over the NF4 form of the weights: the update is added to that
+    (dequantized), which gives the trained model's logits."""
     scale = record["lora_alpha"] / record["r"]
+    transposed = set(record.get("fan_in_fan_out", ()))
     out = dict(base)
     for module in record["target_modules"]:
+        if f"{module}.weight" not in base:
+            continue
         a = adapters[f"{module}.{ADAPTER_CHILDREN[0]}.weight"].float()
         b = adapters[f"{module}.{ADAPTER_CHILDREN[1]}.weight"].float()
         w = trained_base(base[f"{module}.weight"], record)
-        new = w.float() + scale * (b @ a)
-        if record.get("use_dora"):  # each row set to its trained length
+        flip = module in transposed  # (a Conv1D: [in, out], merged as [out, in])
+        new = (w.float().t() if flip else w.float()) + scale * (b @ a)
+        if record.get("use_dora"):  # each output row set to its trained length
             magnitude = adapters[f"{module}.{MAGNITUDE}"].float()
             new = new * (magnitude / torch.linalg.vector_norm(new, dim=1))[:, None]
-        out[f"{module}.weight"] = new.to(w.dtype)
+        out[f"{module}.weight"] = (new.t() if flip else new).contiguous().to(w.dtype)
     for name, transposed in record.get("target_parameters", {}).items():
+        if name not in base:
+            continue
         w = base[name]
         update = expert_update(adapters[name + EXPERT_SUFFIXES[0]].float(),
                                adapters[name + EXPERT_SUFFIXES[1]].float(), scale, transposed)
@@ -119,7 +130,8 @@ def write_peft_adapter(adapters: dict, record: dict, out: str) -> str:
               "lora_alpha": record["lora_alpha"], "lora_dropout": record["lora_dropout"],
               "target_modules": record["target_modules"], "bias": "none",
               "use_dora": bool(record.get("use_dora")),
-              "use_rslora": False, "fan_in_fan_out": False, "init_lora_weights": True,
+              "use_rslora": False, "fan_in_fan_out": bool(record.get("fan_in_fan_out")),
+              "init_lora_weights": True,
               "modules_to_save": None, "inference_mode": True,
               "target_parameters": sorted(record.get("target_parameters", {})) or None,
               "base_model_name_or_path": record["base_model_name_or_path"]}

@@ -1,4 +1,4 @@
-"""LoRA adapters beside a linear layer's weight, under the layer's own name.
+"""LoRA adapters beside a linear layer's weight (or a ``Conv1D``'s), under the layer's own name.
 
 An adapted ``q_proj`` stays the module ``q_proj`` with its ``weight`` (and ``bias``) where
 they were; it gains two children, ``lora_A`` ([rank, in]) and ``lora_B`` ([out, rank]), and
@@ -28,6 +28,7 @@ import zlib
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.pytorch_utils import Conv1D
 
 from automodel.peft.nf4 import dequantized
 
@@ -36,8 +37,10 @@ MAGNITUDE = "lora_magnitude_vector"  # DoRA's row lengths, a parameter of the la
 EXPERT_SUFFIXES = ("_lora_A", "_lora_B")  # experts: <weight>_lora_A beside <weight> (experts.py)
 
 
-class LoraLinear(nn.Linear):
-    """``nn.Linear`` with LoRA adapters (made by ``add_lora``, never built directly)."""
+class LoraLayer:
+    """What an adapted layer adds to its base (``LoraLinear``, ``LoraConv1D``; made by
+    ``add_lora``, never built directly): ``lora_A`` [rank, in] and ``lora_B`` [out, rank]
+    beside the layer's own weight, and under DoRA ``lora_magnitude_vector`` [out]."""
 
     lora_A: nn.Linear
     lora_B: nn.Linear
@@ -45,8 +48,15 @@ class LoraLinear(nn.Linear):
     scaling: float
     use_dora: bool
 
+    def out_in_weight(self) -> torch.Tensor:
+        """The base weight as [out, in] (dequantized)."""
+        return dequantized(self.weight)
+
+    def base_forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight, self.bias)
+        out = self.base_forward(x)
         h = self.lora_dropout(x)
         update = self.lora_B(self.lora_A(h.to(self.lora_A.weight.dtype))) * self.scaling
         if not self.use_dora:
@@ -57,7 +67,7 @@ class LoraLinear(nn.Linear):
         """What DoRA adds to the base output: ``(m/n - 1) x W^T + (m/n) update`` with ``n``
         the row norms of ``W + s B A`` (constants), as peft computes it (``x W^T`` taken
         from the base output where dropout leaves the input as it is)."""
-        weight = dequantized(self.weight).to(out.dtype)
+        weight = self.out_in_weight().to(out.dtype)
         delta = (self.lora_B.weight @ self.lora_A.weight).to(out.dtype) * self.scaling
         norm = torch.linalg.vector_norm(weight + delta.detach(), dim=1).detach()
         scale = self.lora_magnitude_vector.to(out.dtype) / norm
@@ -68,22 +78,48 @@ class LoraLinear(nn.Linear):
         return (scale - 1) * base + scale * update
 
 
-def add_lora(module: nn.Linear, rank: int, alpha: float, dropout: float,
+class LoraLinear(LoraLayer, nn.Linear):
+    """``nn.Linear`` with LoRA adapters."""
+
+
+class LoraConv1D(LoraLayer, Conv1D):
+    """transformers' ``Conv1D`` (GPT-2's projections: ``x W + b``, the weight [in, out]) with
+    LoRA adapters, as peft adapts it (``fan_in_fan_out``): A and B as for a linear layer, the
+    update ``(B A)^T`` in the weight's layout."""
+
+    def out_in_weight(self) -> torch.Tensor:
+        return dequantized(self.weight).t()
+
+    def base_forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.out_in_weight().to(x.dtype), self.bias)
+
+
+ADAPTABLE = {nn.Linear: LoraLinear, Conv1D: LoraConv1D}  # a layer's class -> its adapted one
+
+
+def fans(module: nn.Module) -> tuple[int, int]:
+    """(inputs, outputs) of a linear layer or a ``Conv1D``."""
+    if isinstance(module, Conv1D):
+        return module.nx, module.nf
+    return module.in_features, module.out_features
+
+
+def add_lora(module: nn.Module, rank: int, alpha: float, dropout: float,
              dtype: torch.dtype, dora: bool = False) -> None:
-    """Turn ``module`` (a plain ``nn.Linear``) into a ``LoraLinear`` in place: its weights
-    keep their names and objects; the adapters are allocated where the weight is (the meta
-    device under a sharded build) and filled by ``init_adapters``."""
+    """Turn ``module`` (a plain ``nn.Linear`` or ``Conv1D``) into its adapted class in place:
+    its weights keep their names and objects; the adapters are allocated where the weight is
+    (the meta device under a sharded build) and filled by ``init_adapters``."""
     device = module.weight.device
-    module.__class__ = LoraLinear
-    module.lora_A = nn.Linear(module.in_features, rank, bias=False, device=device, dtype=dtype)
-    module.lora_B = nn.Linear(rank, module.out_features, bias=False, device=device,
-                              dtype=dtype)
+    fan_in, fan_out = fans(module)
+    module.__class__ = ADAPTABLE[type(module)]
+    module.lora_A = nn.Linear(fan_in, rank, bias=False, device=device, dtype=dtype)
+    module.lora_B = nn.Linear(rank, fan_out, bias=False, device=device, dtype=dtype)
     module.lora_dropout = nn.Dropout(dropout) if dropout else nn.Identity()
     module.scaling = alpha / rank
     module.use_dora = dora
     if dora:
         module.lora_magnitude_vector = nn.Parameter(
-            torch.empty(module.out_features, device=device, dtype=dtype))
+            torch.empty(fan_out, device=device, dtype=dtype))
 
 
 def is_adapter(name: str) -> bool:
@@ -111,6 +147,6 @@ def initial_a(name: str, shape: tuple, seed: int, init: str) -> torch.Tensor:
     return torch.rand(shape, generator=g) * (2 * bound) - bound
 
 
-def lora_modules(part: nn.Module) -> dict[str, LoraLinear]:
+def lora_modules(part: nn.Module) -> dict[str, LoraLayer]:
     """The adapted modules of a model (or a part of it) by name."""
-    return {name: m for name, m in part.named_modules() if isinstance(m, LoraLinear)}
+    return {name: m for name, m in part.named_modules() if isinstance(m, LoraLayer)}

@@ -21,6 +21,7 @@ from automodel.config.enums import LAYER_GROUPS
 from automodel.config.validate_peft import ALL_LINEAR
 from automodel.models.experts import expert_modules
 from automodel.models.parts import group_of, layer_groups
+from automodel.peft.lora import ADAPTABLE, fans
 
 
 class AdapterError(ValueError):
@@ -32,7 +33,8 @@ def _matches(name: str, pattern: str) -> bool:
 
 
 def _linears(model: nn.Module) -> dict[str, nn.Module]:
-    return {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    """The layers LoRA can adapt: linear layers, and transformers' ``Conv1D`` (GPT-2's)."""
+    return {n: m for n, m in model.named_modules() if isinstance(m, tuple(ADAPTABLE))}
 
 
 def _head_name(model: nn.Module) -> str | None:
@@ -71,7 +73,8 @@ def _no_match(model: nn.Module, linears: dict, pattern: str) -> str:
     if others:
         return (f"peft.target_modules: {pattern!r} matches {', '.join(others[:3])}"
                 f"{' ...' if len(others) > 3 else ''}, not a linear layer: LoRA adapts "
-                "nn.Linear layers (embeddings take none; MoE experts' fused weights take theirs "
+                "nn.Linear and Conv1D layers (embeddings take none; MoE experts' fused weights "
+                "take theirs "
                 "with peft.experts=true)")
     tails = sorted({".".join(n.split(".")[-2:]) for n in linears}
                    | {n.rpartition(".")[2] for n in linears})
@@ -139,14 +142,15 @@ def _check_chosen(model, linears, chosen, head, peft, loss, freeze) -> None:
                            "(peft.exclude_modules=[" + head + "]) or set trainer.loss=plain")
     for n in chosen:
         m = linears[n]
-        if type(m).forward is not nn.Linear.forward:
-            raise AdapterError(f"peft: {n} is a {type(m).__name__}, a linear layer with a "
-                               "forward of its own; LoRA adapts plain nn.Linear layers: take "
-                               "it out with peft.exclude_modules")
-        if peft.rank > min(m.in_features, m.out_features):
+        plain = next(c for c in ADAPTABLE if isinstance(m, c))
+        if type(m).forward is not plain.forward:
+            raise AdapterError(f"peft: {n} is a {type(m).__name__}, a {plain.__name__} with a "
+                               "forward of its own; LoRA adapts plain nn.Linear and Conv1D "
+                               "layers: take it out with peft.exclude_modules")
+        fan_in, fan_out = fans(m)
+        if peft.rank > min(fan_in, fan_out):
             raise AdapterError(f"peft.rank={peft.rank} is wider than {n} "
-                               f"({m.in_features} -> {m.out_features}): at most "
-                               f"{min(m.in_features, m.out_features)}")
+                               f"({fan_in} -> {fan_out}): at most {min(fan_in, fan_out)}")
     for target in freeze:
         hit = [n for n in chosen if (group_of(n) == target if target in LAYER_GROUPS
                                      else fnmatch.fnmatchcase(n + ".weight", target))]

@@ -28,7 +28,6 @@ from automodel.distributed.materialize import (
     load_slices,
     materialize,
     names_match,
-    safetensors_files,
 )
 from automodel.distributed.megatron_meta_init import ModuleSource
 from automodel.distributed.mesh import MeshAxis
@@ -37,12 +36,13 @@ from automodel.faults import Faults
 from automodel.launch.failure import set_phase
 from automodel.launch.restarts import in_job_restart
 from automodel.models.builder import build_meta_model, build_model
+from automodel.models.weight_files import safetensors_files
 from automodel.optim import Optimizers, Schedulers
 from automodel.parallelize import ModelParts, parallelize
 from automodel.peft import add_adapters, init_adapters, uses_adapters
 from automodel.peft.experts import expert_targets
 from automodel.peft.export import adapter_record
-from automodel.peft.lora import lora_modules
+from automodel.peft.lora import LoraConv1D, lora_modules
 from automodel.recipes.evaluate import Evaluator
 from automodel.recipes.router_loss import RouterLoss
 
@@ -76,9 +76,11 @@ def build_components(cfg: TrainConfig, setup: DistributedSetup, output_dir: str)
     n_params = sum(p.numel() for p in model.parameters())
     n_frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
     model_config = model.config.to_dict()
-    adapted = sorted(lora_modules(model))  # (the whole model's, before a pipeline splits it)
-    adapters = (adapter_record(cfg.peft, adapted, cfg.model, cfg.trainer.seed,
-                               expert_targets(model)) if adapted else None)
+    lora = lora_modules(model)  # (the whole model's, before a pipeline splits it)
+    adapters = (adapter_record(cfg.peft, sorted(lora), cfg.model, cfg.trainer.seed,
+                               expert_targets(model),
+                               [n for n, m in lora.items() if isinstance(m, LoraConv1D)])
+                if lora else None)
     router_loss = RouterLoss.of(model)
     set_phase("parallelize")
     parallel = parallelize(model, setup, fill)
@@ -155,7 +157,8 @@ def _checkpointer(cfg: TrainConfig, info: DistInfo, group, faults: Faults, outpu
                                 cfg.checkpoint.keep_last, info.rank, faults, per_checkpoint,
                                 group, trainable_only=adapters,
                                 background=_background_saver(cfg, info, group),
-                                export_dtype=cfg.checkpoint.export_dtype)
+                                export_dtype=cfg.checkpoint.export_dtype,
+                                export_shard=cfg.checkpoint.export_max_shard_size)
     if info.is_main:
         warn_if_short_of_space(checkpointer.root, per_checkpoint, cfg.checkpoint,
                                cfg.trainer.max_steps)

@@ -22,6 +22,7 @@ from automodel.distributed.init import DistInfo, set_collective_timeout
 from automodel.distributed.setup import DistributedSetup
 from automodel.launch.failure import set_phase
 from automodel.launch.signals import StopSignal
+from automodel.models.weight_files import model_source
 from automodel.recipes.components import Components
 from automodel.recipes.pipeline_step import step_loader_options
 from automodel.recipes.step import train_step
@@ -65,7 +66,8 @@ class Run:
         """Save a checkpoint after step ``step_number``; ``blocking=False``: under
         ``checkpoint.async_mode``, return once the state is staged."""
         cfg, parts, info = self.cfg, self.parts, self.info
-        extra = {"tokenizer_path": getattr(cfg.data, "tokenizer_path", None)}
+        extra = {"tokenizer_path": getattr(cfg.data, "tokenizer_path", None),
+                 "model_source": model_source(cfg.model)}  # (the export's dtype and files)
         if parts.adapters:  # (what the export needs to merge them, or write them for peft)
             extra["peft"] = parts.adapters
         if self.steplog.tracker is not None:  # (a resumed run continues this W&B run)

@@ -19,7 +19,7 @@ IDS = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
 def exported_run(run: list, tmp_path, layout=("parallelism=none",)) -> tuple:
     """(config, step-3 checkpoint dir) of ``run`` trained 3 steps and exported."""
     train(list(layout) + run + EXPORT, tmp_path)
-    return (load_config(job_overrides(run + EXPORT)),
+    return (load_config(job_overrides(list(layout) + run + EXPORT)),
             checkpoint_path(str(tmp_path / "checkpoints"), 3))
 
 

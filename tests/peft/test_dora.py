@@ -22,7 +22,7 @@ from automodel.config.schema import ModelConfig, PeftConfig
 from automodel.models.builder import build_model
 from automodel.peft import add_adapters, init_adapters
 from automodel.peft.export import PEFT_PREFIX, merged, split_state
-from automodel.peft.lora import lora_modules
+from automodel.peft.lora import LoraConv1D, fans, lora_modules
 from tests.distributed.test_parity import assert_close_to_fp32, assert_matches
 from tests.helpers import FP32, train
 from tests.peft.exported import exported_run, logits, merged_model, trained_model
@@ -33,22 +33,29 @@ LLAMA = ModelConfig(config={"model_type": "llama", "vocab_size": 64, "hidden_siz
                             "intermediate_size": 48, "num_hidden_layers": 2,
                             "num_attention_heads": 4, "num_key_value_heads": 2})
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# GPT-2's projections are transformers' Conv1D (weights [in, out]): peft's fan_in_fan_out
+GPT2 = ModelConfig(config={"model_type": "gpt2", "vocab_size": 64, "n_embd": 32, "n_layer": 2,
+                           "n_head": 4, "n_positions": 64, "resid_pdrop": 0.0,
+                           "embd_pdrop": 0.0, "attn_pdrop": 0.0})
+MODELS = {"llama": (LLAMA, PROJECTIONS, 14), "gpt2_conv1d": (GPT2, ["c_attn", "c_proj", "c_fc"], 8)}
 
 
-def _ours_and_peft():
+def _ours_and_peft(family="llama"):
     """(our DoRA model, peft's over the same base, with the same trained-looking adapters)."""
     from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
 
-    ours = build_model(LLAMA, seed=0)
+    config, targets, _ = MODELS[family]
+    ours = build_model(config, seed=0)
     add_adapters(ours, CONFIG)
     init_adapters([ours], CONFIG, seed=0)
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for m in lora_modules(ours).values():  # (as after some steps: B moved, lengths too)
             m.lora_B.weight.copy_(torch.randn(m.lora_B.weight.shape, generator=g) * 0.05)
-            m.lora_magnitude_vector.mul_(1 + 0.1 * torch.rand(m.out_features, generator=g))
-    theirs = get_peft_model(build_model(LLAMA, seed=0), LoraConfig(
-        r=4, lora_alpha=8, target_modules=PROJECTIONS, use_dora=True))
+            m.lora_magnitude_vector.mul_(1 + 0.1 * torch.rand(fans(m)[1], generator=g))
+    theirs = get_peft_model(build_model(config, seed=0), LoraConfig(
+        r=4, lora_alpha=8, target_modules=targets, use_dora=True,
+        fan_in_fan_out=family == "gpt2_conv1d"))
     _, adapters = split_state(ours.state_dict())
     result = set_peft_model_state_dict(theirs, {PEFT_PREFIX + k: v for k, v in adapters.items()})
     assert not result.unexpected_keys
@@ -56,8 +63,9 @@ def _ours_and_peft():
 
 
 @pytest.mark.fast
-def test_dora_is_peft_s_dora():
-    ours, theirs = _ours_and_peft()
+@pytest.mark.parametrize("family", sorted(MODELS))
+def test_dora_is_peft_s_dora(family):
+    ours, theirs = _ours_and_peft(family)
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
     out, ref = ours(input_ids=ids, labels=ids), theirs(input_ids=ids, labels=ids)
     torch.testing.assert_close(out.logits, ref.logits, rtol=1e-5, atol=1e-6)
@@ -70,25 +78,29 @@ def test_dora_is_peft_s_dora():
                 .replace("lora_magnitude_vector", "lora_magnitude_vector.default.weight")
             torch.testing.assert_close(p.grad, grads[peft_name], rtol=1e-4, atol=1e-7)
     assert sum(".lora_magnitude_vector" in n for n, p in ours.named_parameters()
-               if p.requires_grad) == 14
+               if p.requires_grad) == MODELS[family][2]
 
 
 @pytest.mark.fast
-def test_magnitudes_start_at_the_row_norms_and_the_merge_is_peft_s():
-    base = build_model(LLAMA, seed=0)
-    model = build_model(LLAMA, seed=0)
+@pytest.mark.parametrize("family", sorted(MODELS))
+def test_magnitudes_start_at_the_row_norms_and_the_merge_is_peft_s(family):
+    config = MODELS[family][0]
+    base = build_model(config, seed=0)
+    model = build_model(config, seed=0)
     add_adapters(model, CONFIG)
     init_adapters([model], CONFIG, seed=0)
-    for name, m in lora_modules(model).items():
-        torch.testing.assert_close(m.lora_magnitude_vector,
-                                   base.get_submodule(name).weight.norm(dim=1))
+    for name, m in lora_modules(model).items():  # (one length per output: a Conv1D's column)
+        weight = base.get_submodule(name).weight
+        torch.testing.assert_close(m.lora_magnitude_vector, weight.norm(
+            dim=0 if isinstance(m, LoraConv1D) else 1))
     ids = torch.randint(0, 64, (2, 8))  # (B zero and m the norms: the base model)
     torch.testing.assert_close(model(input_ids=ids).logits, base(input_ids=ids).logits)
 
-    ours, theirs = _ours_and_peft()
+    ours, theirs = _ours_and_peft(family)
     state, adapters = split_state(ours.state_dict())
-    record = {"r": 4, "lora_alpha": 8.0, "use_dora": True,
-              "target_modules": sorted(lora_modules(ours))}
+    lora = lora_modules(ours)
+    record = {"r": 4, "lora_alpha": 8.0, "use_dora": True, "target_modules": sorted(lora),
+              "fan_in_fan_out": [n for n, m in lora.items() if isinstance(m, LoraConv1D)]}
     mine = merged(state, adapters, record)
     plain = theirs.merge_and_unload().state_dict()
     for key in plain:

@@ -47,7 +47,7 @@ def _adapted(cfg, seed=0, moved=False):
 def test_expert_adapters_are_peft_s_lora_on_expert_parameters():
     from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
 
-    cfg = load_config(["data=synthetic", *MOE])
+    cfg = load_config(["data=synthetic", "parallelism=none", *MOE])  # (float32)
     base = build_model(cfg.model, seed=0)
     model = _adapted(cfg)
     experts = model.model.layers[0].mlp.experts

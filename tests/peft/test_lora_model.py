@@ -156,6 +156,30 @@ def test_bad_options_are_refused_before_launch():
                                                            "model.freeze=[language]")
 
 
+@pytest.mark.parametrize("extra,base", [
+    ([], torch.bfloat16),  # (the default policy computes in bfloat16)
+    (["parallelism.mp_policy={_target_:torch.distributed.fsdp.MixedPrecisionPolicy,"
+      "param_dtype:float32,reduce_dtype:float32}"], torch.float32),
+    (["parallelism=none"], torch.float32),  # (model.dtype: one process computes in it)
+    (["parallelism=ddp", "parallelism.autocast_dtype=float16"], torch.float16),
+    (["peft.base_dtype=float32"], torch.float32),
+])
+def test_the_frozen_base_is_stored_in_the_compute_dtype(extra, base):
+    """``peft.base_dtype`` null: the frozen weights (no optimizer step, no float32 master
+    copy) in the dtype the layers compute in; the adapters in ``peft.lora_dtype``."""
+    from automodel.peft import adapted_meta_model
+
+    cfg = load_config(["data=synthetic", "model=gemma_tiny", "peft=lora", *extra])
+    assert cfg.peft.base_dtype == str(base).removeprefix("torch.")
+    model = adapted_meta_model(cfg)
+    frozen = {n: p.dtype for n, p in model.named_parameters() if not p.requires_grad}
+    trained = {n: p.dtype for n, p in model.named_parameters() if p.requires_grad}
+    assert set(frozen.values()) == {base} and set(trained.values()) == {torch.float32}
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # (still tied)
+    assert "peft.base_dtype is set but no adapters" in _refusal("peft.base_dtype=bfloat16")
+    assert "peft.base_dtype" in _refusal("peft=lora", "peft.base_dtype=int8")
+
+
 def test_unknown_keys_are_refused():
     with pytest.raises(Exception, match="rnak"):
         load_config(["peft=lora", "peft.rnak=4"])

@@ -42,13 +42,28 @@ def test_a_qlora_plan_keeps_the_adapted_weights_at_their_4_bit_size():
     nf4 = ("peft.nf4_scaler_block_size=8",)
     lora, qlora = _plan("peft=lora"), _plan("peft=qlora", *nf4)
     sharded = lambda p: p["ranks"][0]["memory"]["parameters_sharded"]  # noqa: E731
-    # the 28 adapted weights (4 blocks x 7), each split in 2 rows of shards: float32 (4 bytes
-    # a value) against NF4: half a byte a value, a scale byte per 64 values, a float32 per
-    # group of 8 x 64, and in every shard the mean of the scales and the 16 levels (float32)
+    # the 28 adapted weights (4 blocks x 7), each split in 2 rows of shards: the frozen base
+    # in bfloat16 (the default policy's compute dtype: 2 bytes a value) against NF4: half a
+    # byte a value, a scale byte per 64 values, a factor per group of 8 x 64, and in every
+    # shard the mean of the scales and the 16 levels (the factors, mean and levels in the
+    # weight's own dtype, bfloat16)
     sizes = 4 * [64 * 64, 32 * 64, 32 * 64, 64 * 64, 176 * 64, 176 * 64, 64 * 176]
-    nf4_bytes = sum(n // 2 // 2 + n // 64 // 2 + 4 * n // 512 // 2 + 4 + 16 * 4 for n in sizes)
-    assert sharded(lora) - sharded(qlora) == sum(4 * n // 2 for n in sizes) - nf4_bytes
+    nf4_bytes = sum(n // 2 // 2 + n // 64 // 2 + 2 * n // 512 // 2 + 2 + 16 * 2 for n in sizes)
+    assert sharded(lora) - sharded(qlora) == sum(2 * n // 2 for n in sizes) - nf4_bytes
     ag = lambda p: p["comm_bytes_per_step"]["dp_shard"]["all_gather"]  # noqa: E731
     assert ag(qlora) < ag(lora)  # (the gathers carry the 4-bit bytes)
     assert qlora["model"]["trainable_parameters"] == lora["model"]["trainable_parameters"]
     assert "peft=qlora" in qlora["command"]
+
+
+def test_the_frozen_base_is_planned_in_peft_base_dtype():
+    """The base is stored in the compute dtype (bfloat16 under the default policy) unless
+    ``peft.base_dtype`` says otherwise: half the weights' bytes of a float32 base, the
+    adapters (float32) and their states as they were."""
+    bf16, fp32 = _plan("peft=lora"), _plan("peft=lora", "peft.base_dtype=float32")
+    base = bf16["model"]["parameters"] - bf16["model"]["trainable_parameters"]
+    sharded = lambda p: p["ranks"][0]["memory"]["parameters_sharded"]  # noqa: E731
+    assert sharded(fp32) - sharded(bf16) == base * 2 // 2  # (2 bytes less a value, dp 2)
+    states = lambda p: p["ranks"][0]["memory"]["optimizer_states"]  # noqa: E731
+    assert states(fp32) == states(bf16)
+    assert fp32["ranks"][0]["peak_bytes"] > bf16["ranks"][0]["peak_bytes"]
