@@ -42,7 +42,6 @@ def _config(layers: int) -> dict:
 def make_checkpoints(work: str, layers: int) -> dict:
     """The full checkpoint, the base and the LoRA checkpoint (made once per work folder)."""
     import torch
-    import torch.distributed.checkpoint as dcp
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from automodel.config import schema as s
