@@ -12,7 +12,7 @@ process, it exports:
   ``save_pretrained``), of the full checkpoint, for comparison;
 - ``imports``: the same interpreter importing what the export imports, and nothing else.
 
-Each process reports its peak resident memory (``ru_maxrss``). Run:
+Each process reports its peak resident memory (``VmHWM``). Run:
 
     python benchmarks/export_memory.py [--layers 12] [--workdir /tmp/export_memory]
 """
@@ -28,8 +28,12 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PEAK = ("import resource, sys, runpy; sys.argv = {argv!r}; {body}; "
-        "print('PEAK', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)")
+# the peak of the process's own memory: VmHWM (ru_maxrss would carry over the peak of the
+# process this one was forked from, across the exec)
+PEAK = ("import sys, runpy\nsys.argv = {argv!r}\ntry:\n    {body}\n"
+        "except SystemExit as e:\n    assert not e.code, e.code\n"
+        "hwm = [l for l in open('/proc/self/status') if l.startswith('VmHWM')][0]\n"
+        "print('PEAK', int(hwm.split()[1]) * 1024)")
 
 
 def _config(layers: int) -> dict:
@@ -104,7 +108,7 @@ IMPORTS = ("import torch, transformers, safetensors, torch.distributed.checkpoin
            "from transformers import AutoModelForCausalLM")
 WHOLE = ("import torch; from transformers import AutoModelForCausalLM; "
          "from automodel.checkpoint.hf_export import load_full_model_state, model_config_of; "
-         "s = {{k: v.to(torch.bfloat16) for k, v in load_full_model_state(sys.argv[1]).items()}}; "
+         "s = {k: v.to(torch.bfloat16) for k, v in load_full_model_state(sys.argv[1]).items()}; "
          "c = model_config_of(sys.argv[1]); m = AutoModelForCausalLM.from_config(c); "
          "m.save_pretrained(sys.argv[2], state_dict=s, max_shard_size='250MB')")
 

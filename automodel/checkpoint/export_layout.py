@@ -1,7 +1,7 @@
 """What a Hugging Face export writes, decided before any weight is read: every tensor name of the
 model (a tied weight once), its shape, the export's dtype, and the safetensors files the names
-go into (each at most ``checkpoint.export_max_shard_size``, in the model's order, as
-``save_pretrained`` splits them), and which writer (one per host) writes each file.
+go into (each at most ``checkpoint.export_max_shard_size``, in the model's order, whole
+decoder layers to a file), and which writer (one per host) writes each file.
 
 Every writer computes the same layout from the model's config alone, so the files can be
 written in parallel without a word between them.
@@ -51,18 +51,19 @@ def unique_names(model: torch.nn.Module) -> list[str]:
 
 def plan_export(model: torch.nn.Module, dtype: torch.dtype, max_bytes: int) -> ExportLayout:
     """The layout of ``model``'s export (``model``: built on the meta device) in ``dtype``, in
-    files of at most ``max_bytes`` (a tensor larger than that alone in its file)."""
+    files of at most ``max_bytes``, each holding whole read groups (a decoder layer's tensors
+    stay in one file: the renames and splits of ``save_pretrained``'s names work within a
+    layer; a group larger than ``max_bytes`` has a file of its own)."""
     state = model.state_dict(keep_vars=True)
     names = unique_names(model)
     files, current, size = [], [], 0
-    for name in names:
-        value = state[name]
-        nbytes = value.numel() * (dtype.itemsize if value.is_floating_point()
-                                  else value.element_size())
+    for group in read_groups(names):
+        nbytes = sum(state[n].numel() * (dtype.itemsize if state[n].is_floating_point()
+                                         else state[n].element_size()) for n in group)
         if current and size + nbytes > max_bytes:
             files.append(tuple(current))
             current, size = [], 0
-        current.append(name)
+        current += group
         size += nbytes
     if current:
         files.append(tuple(current))

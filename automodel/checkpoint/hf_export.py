@@ -123,17 +123,30 @@ class ExportJob:
             self._write_file(staging, index, base)
 
     def _write_file(self, staging: str, index: int, base) -> None:
-        from safetensors.torch import save_file
-
+        """One file, a read group (a decoder layer) at a time: its header first, from the
+        shapes alone; each group read, merged, cast, put under the hub's names
+        (``saved_layout``) and written; nothing of the file held in memory."""
+        from automodel.checkpoint.safetensors_stream import StreamedFile
         from automodel.compat import saved_layout
 
-        shard = {}
-        for group in read_groups(self.layout.files[index]):
-            for name, t in self._read(group, base).items():
-                shard[name] = (t.to(self.dtype) if t.is_floating_point() else t).contiguous()
-        shard = saved_layout(self.model, shard)  # (the names and shapes the hub uses)
-        save_file(shard, os.path.join(staging, self.layout.file_name(index)),
-                  metadata={"format": "pt"})
+        groups = read_groups(self.layout.files[index])
+        state = self.model.state_dict(keep_vars=True)
+        saved = [saved_layout(self.model, {n: torch.empty(
+            state[n].shape, dtype=self._dtype_of(state[n]), device="meta") for n in group})
+            for group in groups]
+        entries = [(n, t.dtype, tuple(t.shape)) for names in saved for n, t in names.items()]
+        with StreamedFile(os.path.join(staging, self.layout.file_name(index)), entries) as out:
+            for group, names in zip(groups, saved):
+                tensors = saved_layout(self.model, {
+                    n: t.to(self._dtype_of(t)) for n, t in self._read(group, base).items()})
+                if set(tensors) != set(names):
+                    raise CheckpointError(f"the export of {group[0]}...: the hub's names of "
+                                          f"the tensors read differ from the planned ones")
+                for name in names:
+                    out.write(name, tensors[name])
+
+    def _dtype_of(self, t: torch.Tensor) -> torch.dtype:
+        return self.dtype if t.is_floating_point() else t.dtype
 
     def _read(self, group: list[str], base) -> dict[str, torch.Tensor]:
         if self.record is None:
