@@ -84,6 +84,9 @@ def test_the_merged_export_serves_as_peft_serves_the_adapter(case, tmp_path):
     cls = auto_class(AutoConfig.from_pretrained(merged_dir))
     merged = cls.from_pretrained(merged_dir).eval()
     assert merged.dtype == torch.float32  # (the base's dtype: the model's source)
+    with open(os.path.join(step, "trainer.json")) as f:
+        assert json.load(f)["model_source"] == {"path": str(tmp_path / "base"),
+                                                "dtype": "float32"}
     base = cls.from_pretrained(str(tmp_path / "base")).eval()
     if case == "untied_qlora":
         base = _qlora_base(base, adapter)
