@@ -17,9 +17,10 @@ prepare_argv()
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="plan")
 def main(cfg):
+    from automodel.launch.admission import Admission
     from automodel.planning.cli import run_plan
 
-    return run_plan(cfg)
+    return run_plan(cfg, Admission)
 
 
 if __name__ == "__main__":

@@ -120,7 +120,7 @@ def _auto_layout(train_cfg, hc):
     from hydra.types import RunMode
     from omegaconf import OmegaConf
 
-    from automodel.api import compose
+    from automodel.config.compose import compose
     from automodel.launch.auto_layout import choose_layout
 
     def compose_and_resolve(overrides: list[str]):

@@ -19,7 +19,7 @@ runs on, once, before any rank starts, and the job trains on it.
 
 from __future__ import annotations
 
-import dataclasses
+import copy
 import hashlib
 import json
 import logging
@@ -145,28 +145,22 @@ def slurm_layout(cfg: TrainConfig, nodes: int, tasks_per_node: int, output_dir: 
 def _search(cfg: TrainConfig, base: list[str], bounds: dict, world: int, gpu) -> dict:
     """The search's result, from the cache when the same search ran before."""
     from automodel.config.plan_schema import PlanConfig
+    from automodel.launch.admission import Admission
     from automodel.planning.search import _resolve, search_layouts
 
-    key = hashlib.sha256(json.dumps({
-        "model": dataclasses.asdict(cfg.model), "seq_len": cfg.trainer.seq_len,
-        "batch": cfg.trainer.global_batch_size, "mp": str(cfg.mp_policy),
-        "peft": dataclasses.asdict(cfg.peft), "strategy": cfg.strategy.name,
-        "gpu": gpu.as_dict(), "world": world, "bounds": bounds, "version": 2},
-        sort_keys=True,
-        default=str).encode()).hexdigest()[:16]
-    path = _cache_dir() / f"{key}.json"
+    train = _resolve([o for o in base if not o.startswith("distributed.nproc_per_node=")]
+                     + ["mesh.dp_size=1", "layout=manual"])
+    path = _cache_dir() / f"{search_key(train, gpu, world, bounds)}.json"
     if path.exists():
-        log.info("layout=auto: the search of this model, shapes and %d %s ranks ran before: "
+        log.info("layout=auto: the search of this model, options and %d %s ranks ran before: "
                  "reusing %s", world, gpu.name, path)
         result = json.loads(path.read_text())
         for e in result["top"] + result.get("refused_in_full", []):  # (this job's commands)
             e["command"] = " ".join(["python train.py", *base, *e["overrides"]])
         return result
-    from automodel.planning.cli import start_simulation_server
-
-    train = _resolve([o for o in base if not o.startswith("distributed.nproc_per_node=")]
-                     + ["mesh.dp_size=1", "layout=manual"])
     from omegaconf import OmegaConf
+
+    from automodel.planning.cli import start_simulation_server
 
     # (the probes' workers, and later the ranks, fork from it)
     start_simulation_server(OmegaConf.create({"model": {"config": dict(train.model.config)}}))
@@ -174,12 +168,45 @@ def _search(cfg: TrainConfig, base: list[str], bounds: dict, world: int, gpu) ->
              "s" if world > 1 else "",
              f" within {', '.join(f'{k}={v}' for k, v in bounds.items())}" if bounds else "")
     result = search_layouts(train, gpu, PlanConfig(gpus=world, search=True, top=3),
-                            allows(bounds), base=base)
+                            allows(bounds), base=base,
+                            admit=Admission(base, train.trainer.seq_len))
+    for why, n in result["refused_before_launch"].items():
+        log.info("layout=auto: %d layout%s left out, refused before launch: %s", n,
+                 "s" if n > 1 else "", why)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(result, indent=1))
     os.replace(tmp, path)
     return result
+
+
+# what a plan does not depend on: left out of a search's cache key (everything else is in it)
+NOT_PLANNED = {"logger": None, "checkpoint": None, "experiment": None, "layout": None,
+               "trainer": ("max_steps", "seed", "log_every", "stop_at_step", "on_nonfinite",
+                           "eval_every", "eval_batches", "profile_steps", "plan_check_steps"),
+               "distributed": ("timeout_minutes", "startup_timeout_minutes", "nproc_per_node",
+                               "preflight_step", "stop_grace_seconds", "max_restarts")}
+
+
+def search_key(train: TrainConfig, gpu, world: int, bounds: dict) -> str:
+    """The cache key of a search: the job's whole composed config but what a plan does not
+    depend on (``NOT_PLANNED``), a pretrained model by its ``config.json``'s content (not
+    its path), the device profile, the ranks and the bounds."""
+    plain = copy.deepcopy(train.resolved)
+    for group, keys in NOT_PLANNED.items():
+        if keys is None:
+            plain.pop(group, None)
+        else:
+            for key in keys:
+                (plain.get(group) or {}).pop(key, None)
+    model = plain.get("model") or {}
+    path = model.pop("pretrained_path", None)
+    if path is not None:
+        with open(os.path.join(path, "config.json"), "rb") as f:
+            model["config.json"] = hashlib.sha256(f.read()).hexdigest()
+    return hashlib.sha256(json.dumps({
+        "config": plain, "strategy": train.strategy.name, "gpu": gpu.as_dict(), "world": world,
+        "bounds": bounds, "version": 3}, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def _cache_dir() -> Path:
@@ -191,7 +218,7 @@ def _chosen(result: dict, world: int) -> dict:
     """The fastest layout that fits, or a refusal with the nearest misses."""
     if result["top"]:
         return result["top"][0]
-    from automodel.planning.search import layout_words
+    from automodel.planning.search_text import layout_words
 
     misses = "\n".join(f"  {i}. {layout_words(m['candidate'])}: needs {m['lacks']}"
                        for i, m in enumerate(result.get("nearest_misses", []), 1))
@@ -203,7 +230,8 @@ def _chosen(result: dict, world: int) -> dict:
 
 def write_choice(output_dir: str, result: dict, chosen: dict) -> None:
     """search.json and plan.json beside the run, and the chosen layout said."""
-    from automodel.planning.search import layout_words, write_search
+    from automodel.planning.search import write_search
+    from automodel.planning.search_text import layout_words
 
     write_search(result, output_dir)
     plan = {"layout": chosen["candidate"], "overrides": chosen["overrides"],

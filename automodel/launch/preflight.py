@@ -44,9 +44,11 @@ def preflight(cfg: TrainConfig, *, gpus: Union[int, None, str] = THIS_MACHINE) -
         check(cfg)
 
 
-def check_model_layout(cfg: TrainConfig) -> None:
+def check_model_layout(cfg: TrainConfig, model=None) -> None:
     """Raise ``ConfigError`` for a TP plan, context-parallel split or pipeline split the model
-    cannot take, or image inputs that cannot be derived for an image-text model."""
+    cannot take, or image inputs that cannot be derived for an image-text model. ``model``:
+    the model built on the meta device already (a search checks many layouts of one model),
+    else built here."""
     check_image_inputs(cfg)
     m = cfg.mesh
     if m.tp_size == 1 and m.pp_size == 1 and m.cp_size == 1 and m.ep_size == 1:
@@ -59,7 +61,7 @@ def check_model_layout(cfg: TrainConfig) -> None:
     from automodel.models.builder import build_meta_model
 
     try:
-        model = build_meta_model(cfg.model)
+        model = build_meta_model(cfg.model) if model is None else model
     except Exception as err:  # transformers' own config checks raise several kinds
         raise ConfigError(f"model: cannot build {_which(cfg)}: {type(err).__name__}: "
                           f"{err}") from None
@@ -126,10 +128,11 @@ def _check_tp_plan(cfg: TrainConfig, model) -> int:
     return tp if splits_heads(concrete) else 1
 
 
-def check_adapters(cfg: TrainConfig) -> None:
-    """``peft``'s targets on the meta model: patterns that match no linear layer (with the
-    nearest names), a rank wider than a layer, the LM head under the fused loss, a clash with
-    ``model.freeze``; under QLoRA, weights that do not split into whole NF4 scale groups."""
+def check_adapters(cfg: TrainConfig, model=None) -> None:
+    """``peft``'s targets on the meta model (``model``, else built here): patterns that match
+    no linear layer (with the nearest names), a rank wider than a layer, the LM head under the
+    fused loss, a clash with ``model.freeze``; under QLoRA, weights that do not split into
+    whole NF4 scale groups."""
     from automodel.compat import QLORA_INTERNALS, check_entries
     from automodel.config.enums import PeftMethod
     from automodel.models.builder import build_meta_model
@@ -138,7 +141,7 @@ def check_adapters(cfg: TrainConfig) -> None:
 
     if not uses_adapters(cfg.peft):
         return
-    model = build_meta_model(cfg.model)
+    model = build_meta_model(cfg.model) if model is None else model
     try:
         targets = adapter_targets(model, cfg.peft, str(cfg.trainer.loss),
                                   tuple(cfg.model.freeze))
@@ -329,6 +332,10 @@ def warn_split_axes(cfg: TrainConfig) -> None:
     if message:
         log.warning(message)
 
+
+# the checks whose verdict depends on the layout, given the model built on the meta device:
+# what a search asks of each candidate (``launch/admission.py``)
+LAYOUT_CHECKS = (check_model_layout, check_adapters)
 
 PREFLIGHT_CHECKS = (
     ("runtime support", check_runtime_support),

@@ -125,3 +125,25 @@ def _replicas(dp: int, model_parallel: int, gpus_per_node: int) -> list[int]:
     splits dp (each replica a node's worth of ranks: dp_shard x cp x tp of them)."""
     shard = gpus_per_node // model_parallel if gpus_per_node % model_parallel == 0 else 0
     return [1] + ([dp // shard] if shard and dp % shard == 0 and 1 < shard < dp else [])
+
+
+def admitted(found: list, admit, gpus: int) -> tuple[list, dict]:
+    """(the candidates the preflight would let start, {refusal: layouts it took})."""
+    from automodel.config.build import ConfigError
+
+    if admit is None:
+        return found, {}
+    refused: dict[str, int] = {}
+    kept = []
+    for c in found:
+        why = admit(c)
+        if why is None:
+            kept.append(c)
+        else:
+            refused[why] = refused.get(why, 0) + 1
+    if not kept:
+        reasons = "; ".join(f"{why} ({n} layouts)" for why, n in
+                            sorted(refused.items(), key=lambda kv: -kv[1])[:3])
+        raise ConfigError(f"every layout of {gpus} ranks that the search weighs is refused "
+                          f"before launch for this job: {reasons}")
+    return kept, refused

@@ -14,13 +14,15 @@ from automodel.config.plan_schema import PlanConfig
 log = logging.getLogger("automodel.plan")
 
 
-def run_plan(cfg):
+def run_plan(cfg, admission=None):
+    """plan.py's job; ``admission``: what a search asks of each candidate before launch
+    (``launch.admission.Admission``, given by the entry point)."""
     from hydra.core.hydra_config import HydraConfig
 
     from automodel.planning.plan import SimulationError
 
     try:
-        return _run(cfg, HydraConfig.get())
+        return _run(cfg, HydraConfig.get(), admission)
     except ConfigError as err:
         print(f"automodel: configuration error:\n{err}", file=sys.stderr, flush=True)
         sys.exit(2)
@@ -111,7 +113,7 @@ def resolve_for_plan(cfg, hc, plan: PlanConfig, output_dir: str):
     return train
 
 
-def _run(cfg, hc):
+def _run(cfg, hc, admission=None):
     from automodel.compat import check_planning_compat
     from automodel.planning.gpus import profile
     from automodel.planning.supported import check_plannable
@@ -128,7 +130,7 @@ def _run(cfg, hc):
         train = resolve_for_search(without_keys(list(hc.overrides.task), ("plan.",)))
         check_planning_compat()
         check_plannable(train)  # (make_plan checks its own job)
-        return run_search(train, gpu, plan_cfg, out)
+        return run_search(train, gpu, plan_cfg, out, admission)
     train = resolve_for_plan(train_cfg, hc, plan_cfg, out)
     check_planning_compat()
     from automodel.planning.plan import make_plan

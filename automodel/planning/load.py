@@ -13,8 +13,8 @@ def load_plan(overrides: list[str], output_dir: str = "."):
     from hydra.core.global_hydra import GlobalHydra
     from omegaconf import OmegaConf
 
-    from automodel.api import CONF_DIR
     from automodel.config.cli_check import check_choice_overrides
+    from automodel.config.compose import CONF_DIR
     from automodel.config.store import register_schemas
     from automodel.planning.cli import resolve_for_plan, split_plan_node
 

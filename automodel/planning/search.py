@@ -20,9 +20,10 @@ import os
 
 from automodel.config.pipeline_layout import stage_layer_ranges
 from automodel.planning import cost
-from automodel.planning.candidates import Candidate, candidates
-from automodel.planning.gpus import GiB, GpuProfile
+from automodel.planning.candidates import Candidate, admitted, candidates
+from automodel.planning.gpus import GpuProfile
 from automodel.planning.probes import ACTIVATION_AXES, LAYOUT_KEYS
+from automodel.planning.search_text import CONFIRM_TRIES, search_summary
 
 
 @functools.lru_cache(maxsize=None)
@@ -241,7 +242,7 @@ def _base_overrides(cfg) -> list[str]:
 
 
 def _resolve(overrides: list[str]):
-    from automodel.api import load_config
+    from automodel.config.compose import load_config
 
     return load_config(overrides, env={"CUDA_VISIBLE_DEVICES": ""})
 
@@ -251,12 +252,15 @@ def _rank_key(e: dict) -> tuple:
     return float(f"{e['step_time_s']:.4g}"), e["peak_bytes"]
 
 
-def run_search(train, gpu: GpuProfile, plan_cfg, out: str) -> list[dict]:
+def run_search(train, gpu: GpuProfile, plan_cfg, out: str, admission=None) -> list[dict]:
+    """``admission(base overrides, seq_len)``: the candidates' check before launch (plan.py
+    passes ``launch.admission.Admission``), or None."""
     from automodel.config.build import ConfigError
 
     if plan_cfg.gpus is None:
         raise ConfigError("plan.search=true needs plan.gpus=<GPUs of the job>")
-    result = search_layouts(train, gpu, plan_cfg)
+    admit = admission(_base_overrides(train), train.trainer.seq_len) if admission else None
+    result = search_layouts(train, gpu, plan_cfg, admit=admit)
     write_search(result, out)
     print(search_summary(result))
     return result["top"]
@@ -270,12 +274,14 @@ def write_search(result: dict, out: str) -> str:
     return path
 
 
-def search_layouts(train, gpu: GpuProfile, plan_cfg, keep=None, base=None) -> dict:
+def search_layouts(train, gpu: GpuProfile, plan_cfg, keep=None, base=None,
+                   admit=None) -> dict:
     """The search of ``plan_cfg.gpus`` GPUs for ``train``'s job: the fastest layouts that fit
     (``top``), the fastest planned in full (``best_planned``), and where none fits the nearest
     misses (``nearest_misses``). ``keep``: which candidates may be chosen (the bounds of
     ``layout=auto``); ``base``: the job's own overrides (default: ``train``'s, without the
-    layout keys)."""
+    layout keys); ``admit``: a candidate's refusal before launch, or None (the preflight's
+    checks, ``launch/admission.py``; refused layouts are not weighed)."""
     from automodel.config.build import ConfigError
     from automodel.planning.notes import profile_notes
 
@@ -289,6 +295,7 @@ def search_layouts(train, gpu: GpuProfile, plan_cfg, keep=None, base=None) -> di
         raise ConfigError(f"no layout of {plan_cfg.gpus} GPUs takes trainer.global_batch_size="
                           f"{t.global_batch_size}" + (" within the keys set" if keep else "")
                           + ": choose a batch that the data-parallel degrees divide")
+    found, refused_before = admitted(found, admit, plan_cfg.gpus)
     probed = _probe_and_estimate(train, found, model, job, gpu, plan_cfg)
     fitting = sorted((e for e in probed.estimates if e["fits"]), key=_rank_key)
     base = _base_overrides(train) if base is None else base
@@ -300,6 +307,7 @@ def search_layouts(train, gpu: GpuProfile, plan_cfg, keep=None, base=None) -> di
               "calibration": dict(plan_cfg.calibration), "searched": len(found),
               "estimated": len(probed.estimates), "pruned": probed.pruned,
               "fitting": len(fitting), "top": top, "refused_in_full": refused,
+              "refused_before_launch": refused_before,
               "probes": {key.name: dataclasses.asdict(c) for key, c in probed.costs.items()},
               "notes": profile_notes(gpu.as_dict(), plan_cfg.calibration)}
     if best is not None:
@@ -311,7 +319,6 @@ def search_layouts(train, gpu: GpuProfile, plan_cfg, keep=None, base=None) -> di
     return result
 
 
-CONFIRM_TRIES = 3  # estimates planned in full, fastest first, until one fits
 
 
 def _probe_and_estimate(train, found: list, model: dict, job: dict, gpu: GpuProfile,
@@ -363,35 +370,3 @@ def _confirm(base: list[str], best: dict, gpu: GpuProfile, plan_cfg) -> dict:
             "estimated_peak_bytes": best["peak_bytes"],
             "estimated_step_time_s": best["step_time_s"], "warnings": plan["warnings"],
             "check": check_entry(plan)}
-
-
-def layout_words(c: dict) -> str:
-    """A candidate (as search.json holds it) in words: ``pp 2 1f1b, dp 1x4, tp 2, ...``."""
-    return (f"pp {c['pp']} {c['schedule']}, dp {c['dp_replicate']}x{c['dp_shard']}, "
-            f"tp {c['tp']}, cp {c['cp']}, ep {c['ep']}, AC {c['ac']}, micro-batch {c['mbs']}")
-
-
-def search_summary(result: dict) -> str:
-    lines = [f"search: {result['searched']} layouts of {result['gpus']} x "
-             f"{result['gpu']['name']}, {result.get('estimated', 0)} estimated from "
-             f"{len(result.get('probes', {}))} probes ({result.get('pruned', 0)} left out: "
-             f"they cannot be among the fastest), {result['fitting']} fit; the fastest:"]
-    for i, e in enumerate(result["top"], 1):
-        c = e["candidate"]
-        lines.append(f" {i}. {e['step_time_s']:.3f} s/step, {e['tokens_per_s']:.0f} tokens/s, "
-                     f"peak {e['peak_bytes'] / GiB:.1f} GiB ({layout_words(c)})\n"
-                     f"    {e['command']}")
-    for e in result.get("refused_in_full", []):
-        p = e["planned"]
-        lines.append(f" left out: estimated {e['peak_bytes'] / GiB:.1f} GiB, planned in full "
-                     f"{p['peak_bytes'] / GiB:.1f} GiB: does not fit\n    {e['command']}")
-    best = result.get("best_planned")
-    if best:
-        planned = ", ".join(best.get("ranks_planned", []))
-        lines.append(f" #1 planned in full{f' ({planned})' if planned else ''}: "
-                     f"{best['step_time_s']:.3f} s/step, peak {best['peak_bytes'] / GiB:.1f} "
-                     f"GiB (estimated {best['estimated_peak_bytes'] / GiB:.1f}), fits")
-    elif result["top"] or result.get("refused_in_full"):
-        lines.append(f" none of the {CONFIRM_TRIES} fastest fits when planned in full: plan "
-                     "the others one by one (their commands above)")
-    return "\n".join(lines + [f"  note: {n}" for n in result.get("notes", [])])

@@ -92,7 +92,7 @@ def measurements(records: list[dict]) -> dict:
 def resolve_job(job: dict, planned: bool = True):
     """The job's ``TrainConfig`` as ``plan.py`` resolves it with ``plan.gpus`` = the ranks
     the job ran on (``planned=False``: as a launch here would), the model's layout checked."""
-    from automodel.api import load_config
+    from automodel.config.compose import load_config
     from automodel.config.plan_schema import PlanConfig
     from automodel.launch.preflight import check_model_layout
     from automodel.planning.cli import planning_env

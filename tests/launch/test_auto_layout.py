@@ -135,3 +135,56 @@ def test_a_model_that_fits_nowhere_is_refused_with_its_nearest_misses(tmp_path, 
     misses = re.findall(r"\n  \d\. (pp .*): needs (\d+\.\d) GiB more per device", text)
     assert len(misses) == 3 and len({m[0].split(", AC")[0] for m in misses}) == 3, text
     assert all(float(m[1]) > 0 for m in misses)
+
+
+def test_a_qlora_search_weighs_only_the_layouts_the_preflight_lets_start(tmp_path,
+                                                                          monkeypatch):
+    """``layout=auto peft=qlora`` on 4 ranks: the TP layouts (NF4 weights do not split by
+    columns) and those whose FSDP shards cut NF4 scale groups (the MLP's 22 groups over 4
+    shards) are left out before the search, with the preflight's reasons; the search then
+    chooses among the rest, and the chosen job passes the preflight."""
+    from automodel.launch.auto_layout import search_and_choose
+    from automodel.launch.device_profiles import local_profile
+    from automodel.launch.preflight import preflight
+
+    monkeypatch.setenv("AUTOMODEL_CACHE", str(tmp_path / "cache"))
+    qlora = ["peft=qlora", "peft.nf4_scaler_block_size=8", "distributed.backend=gloo",
+             "data=synthetic"]
+    cfg = load_config(["layout=auto", "distributed.nproc_per_node=4", *qlora],
+                      output_dir=str(tmp_path))
+    result, chosen = search_and_choose(cfg, qlora, 4, local_profile(cfg))
+    refused = result["refused_before_launch"]
+    assert any(why.startswith("peft=qlora with mesh.tp_size=2: NF4 weights split only by "
+                              "whole rows") for why in refused), refused
+    assert any("does not split into 4 FSDP2 shards" in why for why in refused), refused
+    assert all(e["candidate"]["tp"] == 1 for e in result["top"])
+    job = load_config([*qlora, *chosen["overrides"], "distributed.nproc_per_node=4"],
+                      output_dir=str(tmp_path / "job"))
+    preflight(job, gpus=0)
+
+
+@pytest.mark.fast
+def test_the_search_cache_is_keyed_by_what_a_plan_depends_on(tmp_path):
+    """The same config.json under two paths is one search; every key that changes a plan
+    (the offload policy, the optimizer's path, the loss, the base's dtype) is another; what a
+    plan ignores (the steps, the seed, the logger) is the same search."""
+    from automodel.launch.auto_layout import search_key
+    from automodel.models.builder import hf_config
+    from automodel.planning.gpus import profile
+
+    for name in ("a", "b"):
+        hf_config(load_config([]).model).save_pretrained(tmp_path / name)
+
+    def key(*extra, path="a"):
+        train = load_config(["model=pretrained", f"model.pretrained_path={tmp_path / path}",
+                             "mesh.dp_size=1", *extra])
+        return search_key(train, profile("h100_80gb"), 8, {})
+
+    first = key()
+    assert key(path="b") == first
+    assert key("trainer.max_steps=7", "trainer.seed=3", "logger=wandb") == first
+    changed = [key("optim.foreach=true"), key("trainer.loss=plain"),
+               key("parallelism.offload_policy={_target_:torch.distributed.fsdp."
+                   "CPUOffloadPolicy}"),
+               key("peft=lora"), key("peft=lora", "peft.base_dtype=float32")]
+    assert len({first, *changed}) == 6

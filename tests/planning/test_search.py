@@ -223,6 +223,7 @@ def test_search_refuses_the_layout_it_chooses_and_takes_any_batch():
 @pytest.mark.fast
 def test_the_fastest_estimates_are_planned_in_full_until_one_fits(monkeypatch):
     import automodel.planning.search as search
+    import automodel.planning.search_text as search_text
 
     fits = {"a": False, "b": True, "c": True}
     monkeypatch.setattr(search, "_confirm", lambda base, e, gpu, cfg: {
@@ -232,8 +233,9 @@ def test_the_fastest_estimates_are_planned_in_full_until_one_fits(monkeypatch):
     assert [e["id"] for e in refused] == ["a"] and best["id"] == "b"
     assert "planned" not in fitting[2]  # (planned only until one fits)
     refused[0].update(peak_bytes=70 * 2**30, command="python train.py X")
-    text = search.search_summary({"searched": 3, "gpus": 8, "gpu": {"name": "h100_80gb"},
-                                  "fitting": 3, "top": [], "refused_in_full": refused})
+    text = search_text.search_summary({"searched": 3, "gpus": 8,
+                                       "gpu": {"name": "h100_80gb"}, "fitting": 3, "top": [],
+                                       "refused_in_full": refused})
     assert "left out: estimated 70.0 GiB, planned in full 90.0 GiB" in text
 
 
