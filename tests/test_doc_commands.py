@@ -417,3 +417,43 @@ def test_the_recipes_show_their_batch_scripts_verbatim():
     assert set(blocks) == files, (sorted(blocks), sorted(files))
     for name, block in blocks.items():
         assert block == (ROOT / name).read_text(), f"{RECIPES} shows {name} otherwise"
+
+
+ADAPTER_RECIPES = ["examples/slurm/llama3_1_70b_instruct_lora.sbatch",
+                   "examples/slurm/llama3_1_70b_instruct_qlora.sbatch"]
+
+
+def _section(script: str) -> tuple[str, range]:
+    """docs/recipes.md from the script's block to the next heading, and its line numbers."""
+    text = (ROOT / RECIPES).read_text()
+    start = text.index(f"`{script}`:")
+    end = text.find("\n## ", start)
+    end = len(text) if end < 0 else end
+    first = text.count("\n", 0, start) + 1
+    return text[start:end], range(first, first + text.count("\n", start, end) + 1)
+
+
+@pytest.mark.parametrize("script", ADAPTER_RECIPES, ids=lambda s: Path(s).stem)
+def test_an_adapter_recipe_states_the_plan_of_what_it_runs(script, doc_files, tmp_path,
+                                                           monkeypatch):
+    """The recipe's plan.py line asks for the options its script runs (every one of its
+    train.py keys is on the script's srun line), and the peak, overhead and step time the
+    text states are that plan's, within 5%."""
+    from automodel.planning.gpus import profile
+    from automodel.planning.load import load_plan
+    from automodel.planning.plan import make_plan
+
+    section, lines = _section(script)
+    (plan_cmd,) = [c for c in COMMANDS if c.doc == RECIPES and c.launcher == "plan"
+                   and int(c.where.rsplit(":", 1)[1]) in lines]
+    srun = (ROOT / script).read_text().replace("\\\n", " ").split()
+    assert [a for a in plan_cmd.args if not a.startswith("plan.") and a not in srun] == []
+    train, plan = load_plan(substitute(plan_cmd, doc_files), str(tmp_path))
+    result = make_plan(train, profile(plan.gpu), workers=1)
+    stated = re.search(r"predicts ([\d.]+) GiB per rank \(\+([\d.]+) GiB of CUDA context "
+                       r"and buffers\) and ([\d.]+) s per step", section)
+    rank = result["ranks"][0]
+    for text, planned in zip(stated.groups(), (rank["peak_bytes"] / 2**30,
+                                               rank["overhead_bytes"] / 2**30,
+                                               result["step_time_s"])):
+        assert float(text) == pytest.approx(planned, rel=0.05), (text, planned)

@@ -42,7 +42,8 @@ DISTRIBUTED = {"backend": None, "timeout_minutes": 1, "nproc_per_node": None,
 TRAINER = ("max_steps", "global_batch_size", "local_batch_size", "seq_len", "seed", "log_every",
            "stop_at_step", "on_nonfinite")
 CHECKPOINT = {"every_steps": None, "dir": None, "keep_last": 3, "resume": None,
-              "export_hf": "never", "export_dtype": None, "last_save_model_only": False,
+              "export_hf": "never", "export_dtype": None, "export_max_shard_size": "5GB",
+              "last_save_model_only": False,
               "exclude_from_loading": [], "initial_load_path": None, "async_mode": "none",
               "pinned_memory": False, "save_timeout_minutes": 30.0}
 

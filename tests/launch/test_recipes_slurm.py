@@ -49,7 +49,8 @@ SIZES = {"mesh.tp_size": "2", "mesh.ep_size": "2", "mesh.pp_size": "2", "trainer
          # over 4 FSDP2 ranks (a 70B weight holds thousands of 64 x 256)
          "peft.nf4_scaler_block_size": "4"}
 # #SBATCH options whose values are sizes (None: dropped; the local nodes have no GPUs)
-SBATCH_SIZES = {"nodes": "2", "ntasks-per-node": "2", "gpus-per-node": None, "cpus-per-task": "1"}
+SBATCH_SIZES = {"nodes": "2", "ntasks-per-node": "2", "gpus-per-node": None, "cpus-per-task": "1",
+                "mem": None}
 # What each script's start-up line must say of its layout, in miniature
 LAYOUTS = {
     "llama3_1_8b_instruct_hsdp":

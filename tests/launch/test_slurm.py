@@ -118,7 +118,8 @@ def test_failing_job_is_reported_failed_with_its_log(tmp_path):
     # srun's own line for the task ("rank 0 on localhost ended first (...)") shows when it
     # reached the batch log before the launcher read it: a race, so either form is right
     assert re.search(r"SLURM job \d+ failed(: rank 0 on localhost ended first \([^)]*\))?; "
-                     r"rank 0 failed during model build: KeyError: 'no_such_act'; log: \S+\.err",
+                     r"rank 0 failed during model build: KeyError: 'no_such_act' \(traceback: "
+                     r"\S+/traceback_rank0\.txt\); log: \S+\.err",
                      out.stderr), out.stderr
     sweep = run(["-m", "hydra/launcher=slurm", "+model.config.hidden_act=no_such_act",
                  "parallelism=none", f"hydra.sweep.dir={tmp_path}/sweep"] + QUICK, tmp_path)

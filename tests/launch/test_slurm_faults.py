@@ -228,7 +228,8 @@ def test_a_rank_killed_once_is_restarted_inside_the_allocation(uninterrupted, tm
     batch = _batch_log(sweep)
     assert batch.count("starting the job's ranks again (in-job restart 1 of") == 1, batch
     assert "requeueing" not in batch
-    assert "(in-job restart 1 of distributed.max_restarts=1): resuming from the latest" in \
+    assert "(in-job restart 1 of distributed.max_restarts=1): resuming from the run's newest " \
+           "checkpoint" in \
         (sweep / "0" / "train.log").read_text()
     assert _final_state(sweep_job_id(sweep)) == ("COMPLETED", 0)
 

@@ -33,6 +33,7 @@ def test_the_merged_model_and_the_peft_adapter_give_the_trained_logits(base_dir,
 
     run = ["model=pretrained", f"model.pretrained_path={base_dir}"] + LORA
     cfg, step = exported_run(run, tmp_path)
+    _the_export_refuses_another_base(step, base_dir, tmp_path)
     trained = logits(trained_model(cfg, step))
     base = logits(AutoModelForCausalLM.from_pretrained(base_dir).eval())
     assert not torch.allclose(trained, base, atol=1e-3)  # (the adapters moved it)
@@ -65,3 +66,29 @@ def test_a_pipeline_times_tensor_parallel_export_holds_every_stage_and_shard(bas
     adapters = load_file(os.path.join(pptp, "hf_adapter/adapter_model.safetensors"))
     assert len(adapters) == 2 * 7 * 4 and all(k.startswith("base_model.model.model.layers.")
                                               for k in adapters)
+
+
+def _the_export_refuses_another_base(step: str, base_dir: str, tmp_path) -> None:
+    """The export reads the base the checkpoint references, checked by its fingerprint: a
+    base of other weights (another seed's, in the same shapes and files) is refused naming
+    both; a base that moved is found with --base."""
+    import shutil
+    import subprocess
+    import sys
+
+    other = tmp_path / "other_base"
+    build_model(load_config([]).model, seed=1).save_pretrained(str(other))
+
+    def export(*extra):
+        return subprocess.run([sys.executable, "-m", "automodel.checkpoint.hf_export", step,
+                               str(tmp_path / "out"), *extra], capture_output=True, text=True)
+
+    done = export("--base", str(other))
+    assert done.returncode == 2 and not (tmp_path / "out").exists()
+    assert f"trained over the base {base_dir} (fingerprint" in done.stderr, done.stderr
+    assert f"but {other} has fingerprint" in done.stderr
+    moved = tmp_path / "moved_base"
+    shutil.copytree(base_dir, moved)
+    assert export("--base", str(moved)).returncode == 0
+    with open(os.path.join(step, "hf", "config.json")) as f:  # (the job's own export: the same)
+        assert json.load(f) == json.loads((tmp_path / "out" / "config.json").read_text())

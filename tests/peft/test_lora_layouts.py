@@ -161,3 +161,15 @@ def test_tp_places_each_adapter_as_its_layer_and_keeps_replicas_equal(dora, tmp_
     assert len(replicas) == 4 * (5 + 2 + (2 if dora else 0))
     for name, value in replicas.items():  # trained three steps, still the same on both ranks
         assert value.abs().max() > 0 and torch.equal(value, other[name]), name
+
+
+def test_an_adapter_checkpoint_holds_no_buffer_and_no_frozen_alias(tmp_path):
+    """Apertus keeps persistent buffers in its activation (``act_fn.beta``), Gemma ties its
+    head to its embedding: the checkpoint of either holds the adapters and nothing else (no
+    buffer, no frozen weight under a second name), and its optimizer state only theirs."""
+    for model in ("apertus_tiny", "gemma_tiny"):
+        train(["parallelism=none", f"model={model}", "trainer.max_steps=1",
+               "checkpoint.every_steps=1"] + LORA, tmp_path / model)
+        (saved,) = glob.glob(str(tmp_path / model / "checkpoints" / "*"))
+        keys = [k for k in read_metadata(saved).state_dict_metadata if k.startswith("model.")]
+        assert keys and all(".lora_" in k for k in keys), [k for k in keys if ".lora_" not in k]
