@@ -213,6 +213,13 @@ def test_recipe_runs_in_miniature_on_two_nodes(script, recipe_jobs):
     assert not (ckpts / "step_00000002" / "hf").exists()  # (checkpoint.export_hf=final)
     if "data=files" in text:  # an image-text model: its processor beside the weights
         assert (hf / "processor_config.json").exists(), sorted(p.name for p in hf.iterdir())
+    else:  # the chat data's tokenizer, its chat template, the model's generation settings
+        from transformers import AutoTokenizer
+
+        assert AutoTokenizer.from_pretrained(hf).chat_template, sorted(hf.iterdir())
+    assert (hf / "generation_config.json").exists()
+    if "export_dtype=bfloat16" in text:
+        assert json.loads((hf / "config.json").read_text())["dtype"] == "bfloat16"
     method = re.search(r"peft=(q?lora)", text)
     if method:  # the adapters: in the log, and exported for peft beside the merge
         assert f"peft={method.group(1)}: adapters of rank 16" in train_log

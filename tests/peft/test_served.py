@@ -84,6 +84,7 @@ def test_the_merged_export_serves_as_peft_serves_the_adapter(case, tmp_path):
     cls = auto_class(AutoConfig.from_pretrained(merged_dir))
     merged = cls.from_pretrained(merged_dir).eval()
     assert merged.dtype == torch.float32  # (the base's dtype: the model's source)
+    assert os.path.isfile(os.path.join(merged_dir, "generation_config.json"))
     with open(os.path.join(step, "trainer.json")) as f:
         assert json.load(f)["model_source"] == {"path": str(tmp_path / "base"),
                                                 "dtype": "float32"}
