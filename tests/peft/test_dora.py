@@ -8,11 +8,10 @@
   TP2+SP (with accumulation), a pipeline, EP on a MoE model, QLoRA's NF4 base under FSDP2
   and an image-text model match one process; the default precision trains close
   to fp32;
-- the export: transformers loads the merged model and peft the adapter (``use_dora``), both
-  with the trained logits.
+- the export (tests/peft/test_served.py): transformers loads the merged model and peft the
+  adapter (``use_dora``), both with the trained logits.
 """
 
-import os
 
 import pytest
 import torch
@@ -25,7 +24,6 @@ from automodel.peft.export import PEFT_PREFIX, merged, split_state
 from automodel.peft.lora import LoraConv1D, fans, lora_modules
 from tests.distributed.test_parity import assert_close_to_fp32, assert_matches
 from tests.helpers import FP32, train
-from tests.peft.exported import exported_run, logits, merged_model, trained_model
 
 DORA = ["peft=lora", "peft.rank=4", "peft.alpha=8", "peft.use_dora=true"]
 CONFIG = PeftConfig(method=PeftMethod.lora, rank=4, alpha=8.0, use_dora=True)
@@ -148,16 +146,3 @@ def test_dora_on_an_image_text_model(reference, tmp_path):
 def test_dora_trains_under_the_default_precision(reference, tmp_path):
     records = train(["parallelism=fsdp2"] + DORA, tmp_path)
     assert_close_to_fp32(records, reference(*DORA), loss_rtol=2e-2)
-
-
-def test_the_export_gives_the_trained_logits(tmp_path):
-    from peft import PeftModel
-
-    cfg, step = exported_run(DORA, tmp_path)
-    expected = logits(trained_model(cfg, step))
-    base = build_model(cfg.model, seed=cfg.trainer.seed)
-    assert not torch.allclose(logits(base), expected, atol=1e-3)  # (the adapters moved it)
-    torch.testing.assert_close(logits(merged_model(step)), expected, rtol=1e-4, atol=1e-5)
-    with_peft = PeftModel.from_pretrained(base, os.path.join(step, "hf_adapter")).eval()
-    assert with_peft.peft_config["default"].use_dora
-    torch.testing.assert_close(logits(with_peft), expected, rtol=1e-4, atol=1e-5)

@@ -48,12 +48,13 @@ def test_lora_matches_one_process(layout, reference, tmp_path):
     assert_matches(records, reference(*LORA))
 
 
-@pytest.mark.parametrize("method", [["peft=lora"], ["peft=qlora",
-                                                  "peft.nf4_scaler_block_size=8"]])
-def test_adapters_on_conv1d_layers_match_one_process(method, reference, tmp_path):
+def test_adapters_on_conv1d_layers_match_one_process(reference, tmp_path):
     # GPT-2's projections are transformers' Conv1D (weights [in, out]): adapted as peft
-    # adapts them (fan_in_fan_out), under FSDP2 with accumulation, over NF4 under QLoRA
-    gpt2 = ["model=gpt2_tiny", "peft.rank=4", "peft.alpha=8", *method]
+    # adapts them (fan_in_fan_out), here over NF4 (QLoRA: the weight [in, out] quantized and
+    # sharded by its rows), under FSDP2 with accumulation (LoRA's and DoRA's Conv1D layers
+    # against peft's: tests/peft/test_dora.py, test_served.py)
+    gpt2 = ["model=gpt2_tiny", "peft.rank=4", "peft.alpha=8", "peft=qlora",
+            "peft.nf4_scaler_block_size=8"]
     records = train(["parallelism=fsdp2", FP32, "trainer.local_batch_size=2"] + gpt2, tmp_path)
     assert_matches(records, reference(*gpt2))
 

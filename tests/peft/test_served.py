@@ -1,7 +1,8 @@
 """A fine-tune's export, served: on each tiny family, a run with adapters exports at its end
 (``checkpoint.export_hf=final``, streamed by the job's ranks); transformers loads the merged
 model alone and greedily generates 16 tokens, which must be the tokens (and the logits, fp32)
-of ``PeftModel.from_pretrained(base, adapter)``, the adapter the same export wrote.
+of ``PeftModel.from_pretrained(base, adapter)``, the adapter the same export wrote; and its
+logits are those of the model as it trained (the base with the checkpoint's adapters).
 
 Families: tied embeddings (Gemma: trained, stopped, resumed, then exported) and untied ones;
 LoRA, QLoRA and DoRA; an image-text model; a MoE model with expert adapters; GPT-2, whose
@@ -18,7 +19,8 @@ from automodel.api import load_config
 from automodel.checkpoint.paths import checkpoint_path
 from automodel.models.builder import build_model
 from automodel.peft.export import trained_base
-from tests.helpers import FP32, train
+from tests.helpers import FP32, job_overrides, train
+from tests.peft.exported import trained_model
 
 ADAPTERS = ["peft.rank=4", "peft.alpha=8"]
 FSDP2 = ["parallelism=fsdp2", FP32]
@@ -96,6 +98,12 @@ def test_the_merged_export_serves_as_peft_serves_the_adapter(case, tmp_path):
     their_tokens, their_logits = _generate(served)
     assert torch.equal(tokens, their_tokens)
     torch.testing.assert_close(logits, their_logits, rtol=1e-5, atol=1e-5)
+    # and the model as it trained (the base, the checkpoint's adapters: under QLoRA the NF4
+    # weights dequantized as it runs) gives the same logits
+    trained = trained_model(load_config(job_overrides(run)), step)
+    with torch.no_grad():
+        torch.testing.assert_close(trained(input_ids=PROMPT).logits,
+                                   merged(input_ids=PROMPT).logits, rtol=1e-4, atol=1e-5)
     plain = _generate(cls.from_pretrained(str(tmp_path / "base")).eval())[1]
     assert not torch.allclose(logits, plain, atol=1e-3)  # (the adapters changed the model)
     if case == "tied_lora":
