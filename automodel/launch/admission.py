@@ -77,13 +77,17 @@ class Admission:
         if choices not in self._composed:
             from automodel.config.compose import compose
 
-            self._composed[choices] = compose([*self.base, *choices, "mesh.dp_size=1"])
-        cfg = self._composed[choices].copy()
+            composed = compose([*self.base, *choices, "mesh.dp_size=1"])
+            groups = OmegaConf.to_container(composed.hydra.runtime.choices)
+            with _unlocked(composed):
+                del composed["hydra"]  # (a copy per layout: Hydra's own node is most of it)
+            self._composed[choices] = composed, groups
+        composed, groups = self._composed[choices]
+        cfg = composed.copy()
         keys = [o.lstrip("+") for o in overrides if o not in choices]
         with _unlocked(cfg):
             cfg.merge_with(OmegaConf.from_dotlist(keys))
-        return resolve(cfg, env={"CUDA_VISIBLE_DEVICES": ""},
-                       choices=OmegaConf.to_container(cfg.hydra.runtime.choices),
+        return resolve(cfg, env={"CUDA_VISIBLE_DEVICES": ""}, choices=groups,
                        overrides=[*self.base, *overrides])
 
     def _meta_model(self, cfg):
