@@ -6,9 +6,10 @@ each rank, or in a process of each rank (``process``: the copy in shared memory,
 free of the training process's interpreter lock). Its collectives run on a gloo group of the
 model's ranks made once for them (a background collective must not share the training's
 group). Then, still in the background, every rank learns whether every rank's write
-succeeded, and the model's rank 0 completes the checkpoint as a blocking save does
-(``trainer.json``, the Hugging Face export, the atomic rename, ``keep_last``): a checkpoint
-is visible, to ``resume=auto`` too, only once every byte of it is written.
+succeeded, and the checkpoint is completed as a blocking save completes it (``trainer.json``,
+the Hugging Face export, written by one rank per host, then rank 0's atomic rename and
+``keep_last``): a checkpoint is visible, to ``resume=auto`` too, only once every byte of it
+is written. Its group keeps ``checkpoint.save_timeout_minutes`` for the whole write.
 
 One save is in flight at a time: a save due while the last one is writing waits for it, and
 says so. A failed write is kept and raised by the training thread at its next step boundary

@@ -9,8 +9,12 @@ names too, so a checkpoint written under one layout loads under another; plus
 
 A save goes to ``.tmp-step_N`` and the model's rank 0 renames it once every rank of the model
 (its process group: the job may hold other models on other ranks) has written its shards
-and ``trainer.json`` is in place, so a checkpoint is complete or absent. Leftovers of an
-interrupted save are never loaded and are removed at the next save.
+and ``trainer.json`` is in place (and, with ``checkpoint.export_hf``, the Hugging Face export:
+its writers, one rank per host, ``export_job.py``), so a checkpoint is complete or absent.
+Leftovers of an interrupted save are never loaded and are removed at the next save.
+
+A run with adapters saves the weights its optimizer trains and nothing else: no frozen weight
+(also none under a second name: a tied head), no buffer; the base is referenced.
 """
 
 from __future__ import annotations
