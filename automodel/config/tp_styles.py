@@ -2,9 +2,11 @@
 
 Plans name styles as Hugging Face's tensor-parallel integration does
 (``transformers.distributed.tensor_parallel``, table ``ALL_PARALLEL_STYLES``). Every name of
-that table is listed here: either automodel translates it to torch ``ParallelStyle`` objects
-(``automodel/distributed/tensor_parallel.py``), or it is refused before launch with the reason.
-A test keeps this table equal to the installed transformers' own.
+that table known when this one was written is listed here: either automodel translates it to
+torch ``ParallelStyle`` objects (``automodel/distributed/tensor_parallel.py``), or it is refused
+before launch with the reason. A style a newer transformers adds (within the pinned range) is
+refused before launch as unknown, naming it, until it is listed here; the tests check that
+rule on whatever version is installed.
 """
 
 from __future__ import annotations

@@ -174,8 +174,15 @@ def test_other_families_are_refused_before_launch(tmp_path, caplog):
 
     cfg = _base_config(tmp_path)
     assert not set(COVERED) & set(REFUSED) and set(COVERED) | set(REFUSED) <= set(FAMILIES)
-    # every family is covered, refused (or needs a package), or built as text
-    assert set(COVERED) | set(REFUSED) | set(NEEDS_PACKAGE) | set(TEXT_ONLY) == set(FAMILIES)
+    # every family is covered, refused (or needs a package), or built as text; a family of a
+    # newer transformers (within the pinned range) that these tables do not know yet is
+    # either refused before launch, naming it, or passes the preflight's checks
+    known = set(COVERED) | set(REFUSED) | set(NEEDS_PACKAGE) | set(TEXT_ONLY)
+    for family in sorted(set(FAMILIES) - known):
+        try:
+            check_model_layout(_with_model(cfg, family))
+        except ConfigError as err:
+            assert f"model_type {family!r}" in str(err) or FAMILIES[family] in str(err), err
     missing = {f: f"needs the package '{p}', which is not installed: pip install {p}"
                for f, p in NEEDS_PACKAGE.items() if importlib.util.find_spec(p) is None}
     for family, reason in {**REFUSED, **missing}.items():
