@@ -32,7 +32,7 @@ import torch
 from automodel.checkpoint.export_layout import INDEX_FILE, plan_export, read_groups
 from automodel.checkpoint.export_read import PREFIX, BaseTensors, CheckpointTensors, aliases
 from automodel.checkpoint.verify import CheckpointError
-from automodel.config.validate import shard_bytes
+from automodel.config.value_checks import shard_bytes
 
 DEFAULT_SHARD = "5GB"
 __all__ = ["ExportJob", "export_hf", "load_full_model_state", "model_config_of", "PREFIX"]

@@ -22,12 +22,11 @@ run-time hooks are import paths (or callables), loaded when called
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
-from typing import Any, Callable, List, Optional, Union
+from dataclasses import dataclass
+from typing import Callable, Optional, Union
 
 from automodel.config import schema as s
 from automodel.config import validate_parallelism as v
-from automodel.config.policies import PolicySpec
 from automodel.registry import Hook, Registry, load_hook
 
 
@@ -69,18 +68,6 @@ class GradSync:
 
 
 ONE_PROCESS = GradSync(Reduce.ONE_PROCESS)
-
-
-@dataclass(frozen=True)
-class ResolvedParallelism:
-    """What a strategy's ``check`` returns: its options (a resolved copy) and the values
-    derived from them."""
-
-    options: Any  # the strategy's schema instance
-    activation_checkpointing: str = "none"  # none | full | selective
-    activation_checkpointing_scope: List[str] = field(default_factory=lambda: ["all"])
-    mp_policy: Optional[PolicySpec] = None  # FSDP2's policies (null: the default)
-    offload_policy: Optional[PolicySpec] = None
 
 
 MEGATRON_ADAPTERS = ("adapters are not wired into Megatron-FSDP's buffers in this version (it "

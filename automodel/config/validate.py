@@ -12,70 +12,33 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import re
 
 from automodel.config import schema as s
 from automodel.config.build import ConfigError
 from automodel.config.enums import AsyncMode
 from automodel.config.layout import Layout
 from automodel.config.tp_styles import style_problem
+from automodel.config.value_checks import above_zero, positive, shard_bytes
 
 log = logging.getLogger(__name__)
-
-DTYPE_NAMES = ("float32", "bfloat16", "float16", "float64")
-
-
-
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def shard_bytes(size) -> int:
-    """``"5GB"``, ``"500MiB"`` or a number of bytes, as bytes (``save_pretrained``'s
-    ``max_shard_size`` spelling: GB = 10^9, GiB = 2^30)."""
-    if isinstance(size, int) and size > 0:
-        return size
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b|b)?\s*", str(size).lower())
-    if m is None or not float(m.group(1)) > 0:
-        raise ValueError(f"{size!r} is not a size: write e.g. 5GB, 500MB or 2GiB")
-    return int(float(m.group(1)) * _UNITS[m.group(2) or ""])
-
-
-def _positive(path: str, value, minimum: int = 1) -> None:
-    if value is not None and value < minimum:
-        raise ConfigError(f"{path}={value}: must be >= {minimum}")
-
-
-def _above_zero(path: str, value) -> None:
-    if value is not None and not value > 0:
-        raise ConfigError(f"{path}={value}: must be > 0 (minutes; 0.5 is 30 seconds)")
-
-
-def check_dtype(path: str, value, allow_none: bool = True) -> None:
-    if value is None and allow_none:
-        return
-    if value not in DTYPE_NAMES:
-        raise ConfigError(f"{path}={value!r}: not a dtype name; allowed: {', '.join(DTYPE_NAMES)}"
-                          + (" or null" if allow_none else ""))
-
 
 def check_distributed(d: s.DistributedConfig) -> None:
     if d.backend is not None and d.backend not in ("gloo", "nccl", "mpi", "ucc", "xccl"):
         raise ConfigError(f"distributed.backend={d.backend!r}: allowed: gloo, nccl, mpi, ucc, "
                           "xccl, or null (nccl with CUDA, else gloo)")
-    _above_zero("distributed.timeout_minutes", d.timeout_minutes)
-    _above_zero("distributed.startup_timeout_minutes", d.startup_timeout_minutes)
-    _positive("distributed.nproc_per_node", d.nproc_per_node)
-    _positive("distributed.stop_grace_seconds", d.stop_grace_seconds, 0)
-    _positive("distributed.max_restarts", d.max_restarts, 0)
+    above_zero("distributed.timeout_minutes", d.timeout_minutes)
+    above_zero("distributed.startup_timeout_minutes", d.startup_timeout_minutes)
+    positive("distributed.nproc_per_node", d.nproc_per_node)
+    positive("distributed.stop_grace_seconds", d.stop_grace_seconds, 0)
+    positive("distributed.max_restarts", d.max_restarts, 0)
 
 
 def check_trainer_options(trainer: s.TrainerConfig, pipeline, strategy) -> None:
     """The trainer's loss, profiling, evaluation, stop and read-ahead options (``strategy``: the
     ``Strategy`` entry of ``config/strategies.py``)."""
-    _positive("trainer.eval_every", trainer.eval_every, 0)
-    _positive("trainer.prefetch_steps", trainer.prefetch_steps, 0)
-    _positive("trainer.loss_chunk_tokens", trainer.loss_chunk_tokens, 1)
+    positive("trainer.eval_every", trainer.eval_every, 0)
+    positive("trainer.prefetch_steps", trainer.prefetch_steps, 0)
+    positive("trainer.loss_chunk_tokens", trainer.loss_chunk_tokens, 1)
     steps = trainer.profile_steps
     if steps is not None and not (len(steps) == 2 and 1 <= steps[0] <= steps[1]
                                   <= trainer.max_steps):
@@ -89,7 +52,7 @@ def check_trainer_options(trainer: s.TrainerConfig, pipeline, strategy) -> None:
                           "custom pipeline loss takes the logits; set trainer.loss=auto or "
                           "plain")
     if trainer.eval_batches is not None:
-        _positive("trainer.eval_batches", trainer.eval_batches, 1)
+        positive("trainer.eval_batches", trainer.eval_batches, 1)
     n = trainer.plan_check_steps
     if n is not None and n != 0 and not 3 <= n <= trainer.max_steps:
         raise ConfigError(f"trainer.plan_check_steps={n}: 0 (off) or 3..trainer.max_steps="
@@ -117,7 +80,7 @@ def check_optim(o: s.OptimConfig) -> None:
         raise ConfigError(f"optim.lr={o.lr}: must be > 0")
     if len(o.betas) != 2:
         raise ConfigError(f"optim.betas={o.betas}: needs exactly two values")
-    _positive("optim.warmup_steps", o.warmup_steps, 0)
+    positive("optim.warmup_steps", o.warmup_steps, 0)
     if not 0.0 <= o.min_lr_ratio <= 1.0:
         raise ConfigError(f"optim.min_lr_ratio={o.min_lr_ratio}: must be within [0, 1]")
     if o.max_grad_norm is not None and o.max_grad_norm <= 0:
@@ -186,7 +149,7 @@ def check_checkpoint(c: s.CheckpointConfig) -> s.CheckpointConfig:
     if c.export_dtype is not None and c.export_dtype not in EXPORT_DTYPES:
         raise ConfigError(f"checkpoint.export_dtype={c.export_dtype!r}: use one of "
                           f"{', '.join(EXPORT_DTYPES)}, or null (as trained)")
-    _above_zero("checkpoint.save_timeout_minutes", c.save_timeout_minutes)
+    above_zero("checkpoint.save_timeout_minutes", c.save_timeout_minutes)
     try:
         shard_bytes(c.export_max_shard_size)
     except ValueError as err:
@@ -207,8 +170,8 @@ def check_checkpoint(c: s.CheckpointConfig) -> s.CheckpointConfig:
 
 
 def _check_values(c: s.CheckpointConfig) -> None:
-    _positive("checkpoint.every_steps", c.every_steps)
-    _positive("checkpoint.keep_last", c.keep_last)
+    positive("checkpoint.every_steps", c.every_steps)
+    positive("checkpoint.keep_last", c.keep_last)
     if c.resume is not None and c.resume != "auto" and not os.path.isdir(c.resume):
         raise ConfigError(f"checkpoint.resume={c.resume!r}: no such checkpoint directory; "
                           "use auto (the latest in checkpoint.dir), a path, or null")

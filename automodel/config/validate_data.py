@@ -13,8 +13,8 @@ import os
 
 from automodel.config import schema as s
 from automodel.config.build import ConfigError
-from automodel.config.validate import _positive
 from automodel.config.validate_model import model_numbers
+from automodel.config.value_checks import positive
 
 log = logging.getLogger(__name__)
 
@@ -106,14 +106,14 @@ def _path_exists(data, source: str, needs: str) -> None:
 
 
 def check_corpus(data: s.CorpusDataConfig, model: s.ModelConfig) -> s.CorpusDataConfig:
-    _positive("data.image_every", data.image_every, 0)
+    positive("data.image_every", data.image_every, 0)
     _byte_level_vocab(data, model, model.pretrained_path is None)  # (generated test text)
     return data
 
 
 def check_synthetic(data: s.SyntheticDataConfig, model: s.ModelConfig) -> s.SyntheticDataConfig:
-    _positive("data.image_every", data.image_every, 0)
-    _positive("data.vocab_size", data.vocab_size, 2)
+    positive("data.image_every", data.image_every, 0)
+    positive("data.vocab_size", data.vocab_size, 2)
     vocab = model.config.get("vocab_size")
     if vocab is not None and data.vocab_size is not None and data.vocab_size > vocab:
         raise ConfigError(f"data.vocab_size={data.vocab_size} exceeds the model's "

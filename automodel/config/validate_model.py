@@ -6,7 +6,7 @@ import os
 
 from automodel.config import schema as s
 from automodel.config.build import ConfigError
-from automodel.config.validate import check_dtype
+from automodel.config.value_checks import check_dtype
 
 
 def model_numbers(model: s.ModelConfig) -> dict:

@@ -11,14 +11,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from typing import List
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
 
 from automodel.config.build import ConfigError
 from automodel.config.enums import LAYER_GROUPS as AC_SCOPES
 from automodel.config.enums import MEGATRON_ZERO_STRATEGIES, ACMode
 from automodel.config.layout import Layout
-from automodel.config.policies import resolve_policy
-from automodel.config.validate import _positive, check_dtype
+from automodel.config.policies import PolicySpec, resolve_policy
+from automodel.config.value_checks import check_dtype, positive
 
 log = logging.getLogger(__name__)
 
@@ -26,9 +27,19 @@ MEGATRON_PLAIN_LOSS = ("Megatron-FSDP keeps the weights in its own buffers; use 
                        "auto or plain (auto is plain there)")
 
 
-def _resolved(options, mode: str, scope: List[str], **policies):
-    from automodel.config.strategies import ResolvedParallelism
+@dataclass(frozen=True)
+class ResolvedParallelism:
+    """What a strategy's ``check`` returns: its options (a resolved copy) and the values
+    derived from them."""
 
+    options: Any  # the strategy's schema instance
+    activation_checkpointing: str = "none"  # none | full | selective
+    activation_checkpointing_scope: List[str] = field(default_factory=lambda: ["all"])
+    mp_policy: Optional[PolicySpec] = None  # FSDP2's policies (null: the default)
+    offload_policy: Optional[PolicySpec] = None
+
+
+def _resolved(options, mode: str, scope: List[str], **policies):
     return ResolvedParallelism(options, mode, list(scope), **policies)
 
 
@@ -86,8 +97,8 @@ def check_ddp(par, layout: Layout):
 def check_fsdp2(par, layout: Layout):
     """FSDP2's (and HSDP's) options, and its mixed-precision and offload policies."""
     resolved = check_common(par, layout)
-    _positive("parallelism.fsdp2_forward_prefetch_depth", par.fsdp2_forward_prefetch_depth, 0)
-    _positive("parallelism.fsdp2_backward_prefetch_depth", par.fsdp2_backward_prefetch_depth, 0)
+    positive("parallelism.fsdp2_forward_prefetch_depth", par.fsdp2_forward_prefetch_depth, 0)
+    positive("parallelism.fsdp2_backward_prefetch_depth", par.fsdp2_backward_prefetch_depth, 0)
     # (multimodal.frozen_sharding and vision.unit are enums: their schema refuses others)
     if str(par.multimodal.vision.tp) == "heads" and layout.tp == 1:
         raise ConfigError("parallelism.multimodal.vision.tp=heads splits the vision tower over "

@@ -10,7 +10,7 @@ import dataclasses
 from automodel.config import schema as s
 from automodel.config.build import ConfigError
 from automodel.config.enums import PeftMethod
-from automodel.config.validate import check_dtype
+from automodel.config.value_checks import check_dtype
 
 ALL_LINEAR = "all-linear"
 NF4_KEYS = ("nf4_block_size", "nf4_scaler_block_size")  # options of peft=qlora only

@@ -14,8 +14,8 @@ from automodel.config.pipeline_layout import (
     canonical_schedule,
     count_stages,
 )
-from automodel.config.validate import _positive, check_dtype
 from automodel.config.validate_model import model_numbers
+from automodel.config.value_checks import check_dtype, positive
 
 log = logging.getLogger(__name__)
 
@@ -90,10 +90,10 @@ def check_pipeline(p: s.PipelineConfig, mesh: s.MeshConfig, trainer: s.TrainerCo
             raise ConfigError(str(err)) from None
     elif not os.path.isfile(p.pp_schedule_csv):
         raise ConfigError(f"pipeline.pp_schedule_csv={p.pp_schedule_csv!r}: no such file")
-    _positive("pipeline.pp_microbatch_size", p.pp_microbatch_size)
-    _positive("pipeline.pp_batch_size", p.pp_batch_size)
-    _positive("pipeline.layers_per_stage", p.layers_per_stage)
-    _positive("pipeline.pp_seq_len", p.pp_seq_len)
+    positive("pipeline.pp_microbatch_size", p.pp_microbatch_size)
+    positive("pipeline.pp_batch_size", p.pp_batch_size)
+    positive("pipeline.layers_per_stage", p.layers_per_stage)
+    positive("pipeline.pp_seq_len", p.pp_seq_len)
     if p.pp_seq_len is not None and p.pp_seq_len != trainer.seq_len:
         raise ConfigError(f"pipeline.pp_seq_len={p.pp_seq_len} must equal trainer.seq_len="
                           f"{trainer.seq_len} (every batch has that length), or be null")
@@ -104,7 +104,7 @@ def check_pipeline(p: s.PipelineConfig, mesh: s.MeshConfig, trainer: s.TrainerCo
     if p.loss_fn is not None and ("." not in p.loss_fn or p.loss_fn.endswith(".")):
         raise ConfigError(f"pipeline.loss_fn={p.loss_fn!r}: an import path looks like "
                           "'package.module.function' (returning the loss summed over tokens)")
-    _positive("pipeline.pp_recv_buffer_pool_slack", p.pp_recv_buffer_pool_slack, 0)
+    positive("pipeline.pp_recv_buffer_pool_slack", p.pp_recv_buffer_pool_slack, 0)
     check_dtype("pipeline.dtype", p.dtype)
     if p.round_virtual_stages_to_pp_multiple not in (None, "up", "down"):
         raise ConfigError(f"pipeline.round_virtual_stages_to_pp_multiple="
