@@ -17,8 +17,8 @@ prepare_argv()
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="plan")
 def main(cfg):
-    from automodel.launch.admission import Admission
-    from automodel.planning.cli import run_plan
+    from automodel.plan_cli import run_plan
+    from automodel.prepare.admission import Admission
 
     return run_plan(cfg, Admission)
 

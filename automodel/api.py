@@ -7,9 +7,9 @@ from automodel.config.compose import CONF_DIR, compose, load_config  # noqa: F40
 
 def run(overrides: list[str] | None = None, output_dir: str = "."):
     """Train as ``python train.py <overrides>`` would; returns rank 0's metric records."""
+    from automodel.checks.preflight import preflight
     from automodel.launch.local import launch
-    from automodel.launch.plan_first import ensure_plan
-    from automodel.launch.preflight import preflight
+    from automodel.prepare.plan_first import ensure_plan
 
     cfg = load_config(overrides, output_dir)
     if cfg.layout_mode == "auto":

@@ -88,31 +88,6 @@ def _slurm_log(can_follow: bool = True) -> str:
     return f"log: {task_log_path()}" + (f"\n{then}" if then else "")
 
 
-def resolve_hydra_job(cfg, hc, output_dir: str, multirun: bool, env=None):
-    """The ``TrainConfig`` of a job Hydra composed (``hc``: its ``hydra`` node); also used by
-    the SLURM launcher at submit time, before the job exists."""
-    from automodel.config.resolve import resolve
-
-    return resolve(cfg, env=env, output_dir=output_dir, choices=dict(hc.runtime.choices),
-                   overrides=list(hc.overrides.task),
-                   sweep_dir=str(hc.sweep.dir) if multirun else None,
-                   output_named_by_time=_named_by_time(hc, multirun, env))
-
-
-def _named_by_time(hc, multirun: bool, env=None) -> bool:
-    """Whether the job's output directory is new for every submission: Hydra names it by the
-    time (``${now:...}`` in ``hydra.run.dir`` or ``hydra.sweep.dir``)."""
-    from omegaconf import OmegaConf
-
-    launch = detect_launch_env(os.environ if env is None else env)
-    injected = launch.external and launch.rank != 0 and not multirun
-    if injected and "hydra.run.dir=." in hc.overrides.hydra:  # (prepare_argv's, on ranks
-        # other than 0: rank 0 keeps the user's directory, or the default one, named by time)
-        return sum(o.startswith("hydra.run.dir=") for o in hc.overrides.hydra) < 2
-    template = OmegaConf.to_container(hc.sweep if multirun else hc.run, resolve=False)["dir"]
-    return "${now:" in str(template)
-
-
 def _auto_layout(train_cfg, hc):
     """``layout=auto``: the job on the layout the search chose, its config written as the
     run's own (``.hydra/config.yaml``, ``overrides.yaml``: a rerun without the search is the
@@ -120,8 +95,8 @@ def _auto_layout(train_cfg, hc):
     from hydra.types import RunMode
     from omegaconf import OmegaConf
 
-    from automodel.config.compose import compose
-    from automodel.launch.auto_layout import choose_layout
+    from automodel.config.compose import compose, named_by_time
+    from automodel.prepare.auto_layout import choose_layout
 
     def compose_and_resolve(overrides: list[str]):
         from automodel.config.resolve import resolve
@@ -130,7 +105,7 @@ def _auto_layout(train_cfg, hc):
         job = resolve(composed, output_dir=hc.runtime.output_dir,
                       choices=dict(composed.hydra.runtime.choices), overrides=list(overrides),
                       sweep_dir=str(hc.sweep.dir) if multirun else None,
-                      output_named_by_time=_named_by_time(hc, multirun))
+                      output_named_by_time=named_by_time(hc, multirun))
         saved = os.path.join(hc.runtime.output_dir, str(hc.output_subdir or ""))
         if hc.output_subdir is not None and os.path.isdir(saved):
             with open(os.path.join(saved, "config.yaml"), "w") as f:
@@ -145,6 +120,7 @@ def _auto_layout(train_cfg, hc):
 def _run_job(cfg, hc):
     from hydra.types import RunMode
 
+    from automodel.config.compose import resolve_hydra_job
     from automodel.startup import without_collections
 
     with without_collections():  # (start-up: the imports of torch and transformers)
@@ -153,10 +129,10 @@ def _run_job(cfg, hc):
         if train_cfg.layout_mode == "auto":  # (the search, before any rank starts)
             train_cfg = _auto_layout(train_cfg, hc)
         else:  # (trainer.plan_check_steps: the plan, before any rank starts)
-            from automodel.launch.plan_first import ensure_plan
+            from automodel.prepare.plan_first import ensure_plan
 
             ensure_plan(train_cfg)
-        from automodel.launch.preflight import preflight  # (its checks import torch)
+        from automodel.checks.preflight import preflight  # (its checks import torch)
 
         preflight(train_cfg)
         if train_cfg.launch.kind == "slurm":

@@ -10,6 +10,10 @@ configuration (``config/``), the runtime (``checkpoint/``, ``data/``, ``tracking
 from __future__ import annotations
 
 
+class ConfigError(ValueError):
+    """A user error in the composed configuration (raised before any process starts)."""
+
+
 class Explained(Exception):
     """An error whose message already says what happened, where, and what to do."""
 

@@ -69,7 +69,7 @@ class Faults:
     def __init__(self, rank: int, text: str | None = None, restart: int | None = None):
         self.rank = rank
         if restart is None:  # (the attempt: SLURM's requeues plus the in-job restarts)
-            from automodel.launch.restarts import in_job_restart
+            from automodel.runtime.attempts import in_job_restart
 
             restart = int(os.environ.get("SLURM_RESTART_COUNT", 0)) + in_job_restart()
         self.faults = [f for f in parse(os.environ.get(ENV) if text is None else text)

@@ -18,7 +18,7 @@ import difflib
 import re
 from typing import Callable, Dict, Generic, Iterator, Optional, TypeVar, Union
 
-from automodel.config.build import ConfigError
+from automodel.errors import ConfigError
 
 T = TypeVar("T")
 Hook = Union[str, Callable]  # an import path "pkg.module.NAME", or the callable itself

@@ -6,7 +6,7 @@ heap grows, walks all of it again: measured on a 2-core machine, importing what 
 costs 4.4-4.7 s of CPU with the collector on and 3.4 s with it off. ``without_collections``
 turns it off for a process's start-up (config, preflight, the imports of the job's code), then
 freezes what exists (``gc.freeze``: later collections skip it, as in a rank forked from the
-fork server, ``launch/preloaded.py``) and turns it back on. Reference counting frees garbage as
+fork server, ``runtime/preloaded.py``) and turns it back on. Reference counting frees garbage as
 usual meanwhile; only cycles made during start-up wait, and are kept.
 """
 

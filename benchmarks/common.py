@@ -40,8 +40,8 @@ def run_ranks(overrides: list, entry, *args, name: str) -> list:
     import tempfile
 
     from automodel.api import load_config
+    from automodel.checks.preflight import preflight
     from automodel.launch.local import run_on_local_ranks
-    from automodel.launch.preflight import preflight
 
     cfg = load_config(overrides, output_dir=tempfile.mkdtemp(prefix=f"{name}-"))
     preflight(cfg)

@@ -46,9 +46,9 @@ LAYOUTS = {  # name: (ranks, overrides)
 
 def _refusal(run) -> list:
     """[the preflight's refusal on rank 0, or None], the same on every rank."""
+    from automodel.checks.fake_step import check_fake_step
+    from automodel.checks.preflight import check_model_layout
     from automodel.config.build import ConfigError
-    from automodel.launch.fake_step import check_fake_step
-    from automodel.launch.preflight import check_model_layout
 
     why = [None]
     if torch.distributed.get_rank() == 0:

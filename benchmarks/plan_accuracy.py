@@ -133,7 +133,7 @@ def record_compute_calls(stages, log: list) -> None:
 def _write_schedule(step) -> None:
     import torch.distributed as dist
 
-    from automodel.planning.bubble import bubble_of_run, timeline_of_run
+    from automodel.distributed.pipelining.bubble import bubble_of_run, timeline_of_run
 
     rank = dist.get_rank(step.pp_group)
     timeline = timeline_of_run(step.schedule)
@@ -153,8 +153,8 @@ def plan_of(overrides: list, output_dir: str):
 
     from automodel.api import load_config
     from automodel.config.plan_schema import PlanConfig
-    from automodel.planning.cli import planning_env
-    from automodel.planning.gpus import profile
+    from automodel.costing.gpus import profile
+    from automodel.planning.job_env import planning_env
     from automodel.planning.plan import make_plan, rank_classes, simulate_classes
     from automodel.planning.simulate import as_dict, simulate_rank
 

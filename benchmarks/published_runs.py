@@ -4,7 +4,7 @@ Each run below was measured on real GPUs by its authors (named in ``SOURCE``); t
 plans the same job (model, GPUs, batch, sequence, checkpointing, plain loss as they ran it)
 on the profile of that GPU and fits the compute efficiency at which the plan's tokens/s is
 the published one (``planning/calibrate.fit_calibration``). The profiles' defaults
-(``automodel/planning/gpus.py``) are these fits, rounded down; docs/planning.md ("GPU
+(``automodel/costing/gpus.py``) are these fits, rounded down; docs/planning.md ("GPU
 profiles") has the table this prints. Planning only: no GPU needed, about 10 s a run here.
 
     python benchmarks/published_runs.py [--fit] [--out published_runs.json]
@@ -86,7 +86,7 @@ def plan_run(run: dict, out: str) -> dict:
 
 
 def row(run: dict, plan: dict) -> dict:
-    from automodel.planning.calibrate import check_entry, fit_calibration
+    from automodel.costing.calibrate import check_entry, fit_calibration
 
     per_gpu = plan["tokens_per_s"] / plan["world_size"]
     published_step = plan["step_time_s"] * per_gpu / run["tokens_per_s_per_gpu"]
@@ -109,8 +109,8 @@ def transfer_row(transfer: dict, plan: dict, over_efficiency: float | None = Non
     """``plan`` (the transfer's job, planned on the other GPU's profile) costed on both: the
     planned speed-up at the shipped defaults, and the efficiency of ``transfer["gpu"]`` at which
     it is the published one, the other GPU at ``over_efficiency`` (its fit; None: its default)."""
-    from automodel.planning.calibrate import check_entry, fit_calibration, predicted_step
-    from automodel.planning.gpus import profile
+    from automodel.costing.calibrate import check_entry, fit_calibration, predicted_step
+    from automodel.costing.gpus import profile
 
     over = check_entry(plan)
     new = {**over, "gpu": profile(transfer["gpu"]).as_dict()}

@@ -4,7 +4,7 @@
                               [--requeue N] [--folder DIR] [--wait] [override ...]
 
 The overrides are the same ``key=value`` strings ``train.py`` takes; the config is composed,
-validated and preflighted (``automodel.launch.preflight``: the model's TP plan and pipeline
+validated and preflighted (``automodel.checks.preflight``: the model's TP plan and pipeline
 split, the data) here, before anything is submitted. Prints the job id; with ``--wait`` it
 follows the job to its end and exits non-zero (with the log path) if it failed. With
 ``--requeue N`` a job that fails (a node or rank lost) is requeued by SLURM up to N times and
@@ -38,8 +38,8 @@ class TrainJob:
         try:
             with without_collections():  # (the task's start-up: see automodel/startup.py)
                 from automodel.api import load_config
+                from automodel.checks.preflight import preflight
                 from automodel.launch.local import launch
-                from automodel.launch.preflight import preflight
 
                 cfg = load_config(overrides, output_dir=output_dir, env=os.environ)
                 preflight(cfg)  # again in the task: the submitter's data cache is opened
@@ -105,7 +105,7 @@ def rank_report(log_folder: Path, job_id: str, first: str = "") -> str:
                         break
         except OSError:
             continue
-    from automodel.launch.failure import is_consequence
+    from automodel.runtime.failure import is_consequence
 
     ended = re.match(r": rank (\d+) ended first", first)
     if ended and int(ended.group(1)) in found:
@@ -130,10 +130,10 @@ def resolve_job(args, output_dir: str) -> tuple:
     job's nodes (the chosen layout's overrides, ``layout=manual``); a job that checks its plan
     (``trainer.plan_check_steps``) planned here; ``plan.json`` in ``output_dir``."""
     from automodel.api import load_config
-    from automodel.launch.hydra_slurm import with_overrides
-    from automodel.launch.plan_first import plan_at_submit
-    from automodel.launch.preflight import preflight
+    from automodel.checks.preflight import preflight
     from automodel.launch.slurm import submit_env
+    from automodel.prepare.plan_first import plan_at_submit
+    from automodel.prepare.sweep_jobs import with_overrides
     from automodel.startup import without_collections
 
     env = submit_env(args.nodes, args.tasks_per_node)

@@ -9,7 +9,7 @@ import torch.multiprocessing as mp
 
 from automodel.api import run
 from automodel.config.launch_env import usable_cpus
-from automodel.launch import forkserver
+from automodel.runtime import forkserver
 from automodel.tracking.metrics import read_metrics
 
 FP32 = ("parallelism.mp_policy={_target_:torch.distributed.fsdp.MixedPrecisionPolicy,"

@@ -317,14 +317,14 @@ def check(cmd: DocCommand, root: Path, tmp_path: Path, monkeypatch) -> list:
     """Compose and resolve every job as the CLI does; for recipes, also the preflight and the
     model's size on the meta device. Returns the resolved configs."""
     from automodel.api import load_config
+    from automodel.checks.preflight import preflight
     from automodel.config.cli_check import check_cli_overrides
-    from automodel.launch.preflight import preflight
 
     env, rank_gpus, machine_gpus = environment(cmd)
     monkeypatch.setattr("automodel.config.launch_env.gpu_device_probe", lambda: machine_gpus or 0)
     resolved = []
     if cmd.launcher == "plan":  # resolved as plan.py resolves it (no simulation)
-        from automodel.planning.load import load_plan
+        from automodel.plan_cli import load_plan
 
         return [load_plan(substitute(cmd, root), str(tmp_path))[0]]
     for overrides in jobs(substitute(cmd, root)):
@@ -390,7 +390,7 @@ def test_recipe_passes_preflight(cmd, doc_files, tmp_path, monkeypatch):
     the job has GPUs; tests/launch/test_slurm_env.py tests that refusal)."""
     from automodel.models.builder import build_meta_model
 
-    monkeypatch.setattr("automodel.launch.support.torch_build", lambda: ("2.13.0+cu128", True))
+    monkeypatch.setattr("automodel.checks.support.torch_build", lambda: ("2.13.0+cu128", True))
     (cfg,) = check(cmd, doc_files, tmp_path, monkeypatch)
     lay = cfg.layout
     assert lay.world_size == cmd.world
@@ -439,8 +439,8 @@ def test_an_adapter_recipe_states_the_plan_of_what_it_runs(script, doc_files, tm
     """The recipe's plan.py line asks for the options its script runs (every one of its
     train.py keys is on the script's srun line), and the peak, overhead and step time the
     text states are that plan's, within 5%."""
-    from automodel.planning.gpus import profile
-    from automodel.planning.load import load_plan
+    from automodel.costing.gpus import profile
+    from automodel.plan_cli import load_plan
     from automodel.planning.plan import make_plan
 
     section, lines = _section(script)

@@ -44,7 +44,7 @@ def test_a_job_starts_without_collections_until_its_rank_code_is_imported(tmp_pa
         "import gc, sys, runpy\n"
         "seen = []\n"
         "gc.callbacks.append(lambda phase, info: phase == 'start' and seen.append("
-        "'automodel.launch.preflight' in sys.modules and "
+        "'automodel.checks.preflight' in sys.modules and "
         "'automodel.recipes.train' not in sys.modules))\n"
         f"sys.argv = ['train.py', 'parallelism=none', 'data=synthetic', 'trainer.max_steps=1',"
         f" 'distributed.backend=gloo', 'hydra.run.dir={tmp_path}']\n"

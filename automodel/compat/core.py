@@ -7,7 +7,7 @@ import importlib
 import inspect
 from typing import Any, Callable
 
-from automodel.config.build import ConfigError
+from automodel.errors import ConfigError
 
 # The versions the internals below were read from and the suite runs on, and the ranges
 # pyproject.toml pins (tests/test_compat.py keeps the ranges equal to pyproject's).

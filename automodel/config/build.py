@@ -13,9 +13,7 @@ import enum
 import typing
 from typing import Any, Mapping
 
-
-class ConfigError(ValueError):
-    """A user error in the composed configuration (raised before any process starts)."""
+from automodel.errors import ConfigError  # (config's error; imported from here too)
 
 
 def check_keys(path: str, keys, cls) -> None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from automodel.config.launch_env import detect_launch_env
+
 CONF_DIR = os.environ.get("AUTOMODEL_CONF_DIR",
                           str(Path(__file__).resolve().parents[2] / "conf"))
 
@@ -38,3 +40,28 @@ def load_config(overrides: list[str] | None = None, output_dir: str = ".", env=N
     cfg = compose(overrides)
     choices = OmegaConf.to_container(cfg.hydra.runtime.choices)
     return resolve(cfg, env=env, output_dir=output_dir, choices=choices, overrides=overrides)
+
+
+def resolve_hydra_job(cfg, hc, output_dir: str, multirun: bool, env=None):
+    """The ``TrainConfig`` of a job Hydra composed (``hc``: its ``hydra`` node); also used by
+    the SLURM launcher at submit time, before the job exists."""
+    from automodel.config.resolve import resolve
+
+    return resolve(cfg, env=env, output_dir=output_dir, choices=dict(hc.runtime.choices),
+                   overrides=list(hc.overrides.task),
+                   sweep_dir=str(hc.sweep.dir) if multirun else None,
+                   output_named_by_time=named_by_time(hc, multirun, env))
+
+
+def named_by_time(hc, multirun: bool, env=None) -> bool:
+    """Whether the job's output directory is new for every submission: Hydra names it by the
+    time (``${now:...}`` in ``hydra.run.dir`` or ``hydra.sweep.dir``)."""
+    from omegaconf import OmegaConf
+
+    launch = detect_launch_env(os.environ if env is None else env)
+    injected = launch.external and launch.rank != 0 and not multirun
+    if injected and "hydra.run.dir=." in hc.overrides.hydra:  # (prepare_argv's, on ranks
+        # other than 0: rank 0 keeps the user's directory, or the default one, named by time)
+        return sum(o.startswith("hydra.run.dir=") for o in hc.overrides.hydra) < 2
+    template = OmegaConf.to_container(hc.sweep if multirun else hc.run, resolve=False)["dir"]
+    return "${now:" in str(template)

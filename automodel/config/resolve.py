@@ -72,7 +72,7 @@ class TrainConfig:
     output_dir: str = "."
     experiment: Optional[str] = None  # names a folder shared by its submissions (checkpoints)
     sweep_dir: Optional[str] = None  # the multirun's directory when this job is one of a sweep
-    layout_mode: str = "manual"  # layout=: manual | auto (launch/auto_layout.py chooses it)
+    layout_mode: str = "manual"  # layout=: manual | auto (prepare/auto_layout.py chooses it)
     choices: Dict[str, Any] = field(default_factory=dict)  # hydra.runtime.choices
     overrides: List[str] = field(default_factory=list)
     resolved: Dict[str, Any] = field(default_factory=dict)  # the composed config, plain

@@ -16,7 +16,7 @@ capability (``materialize_after_wrap``, ``tensor_parallel``, ...) or calls its h
 
 Torch-free: ``config/`` imports this module (its checks run before any process starts); the
 run-time hooks are import paths (or callables), loaded when called
-(``parallelize.py``, ``recipes/step.py``, ``launch/support.py``).
+(``parallelize.py``, ``recipes/step.py``, ``checks/support.py``).
 """
 
 from __future__ import annotations

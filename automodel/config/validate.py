@@ -127,7 +127,7 @@ def check_tensor_parallel(par, layout: Layout, model: s.ModelConfig,
                     "parallelism.enable_compile=true (compiles each decoder layer) for the "
                     "overlap, or drop enable_async_tensor_parallel")
     # What the plan needs of the model's sizes (heads, vocabulary) is checked on the model's
-    # own structure before launch: automodel.launch.preflight.
+    # own structure before launch: automodel.checks.preflight.
     if par.sequence_parallel:
         layout.check_sequence_parallel_seq_len(trainer.seq_len)
 
@@ -141,7 +141,7 @@ LOAD_PARTS = ("optimizer", "scheduler", "step", "rng")  # what exclude_from_load
 def check_checkpoint(c: s.CheckpointConfig) -> s.CheckpointConfig:
     """The values (a copy, ``export_hf`` as never / final / every); whether the checkpoint to
     resume or start from is whole needs its metadata (torch), and is checked before launch
-    (``launch/preflight.py``: check_resume_checkpoint)."""
+    (``checks/preflight.py``: check_resume_checkpoint)."""
     export = EXPORT_HF.get(str(c.export_hf).lower())
     if export is None:
         raise ConfigError(f"checkpoint.export_hf={c.export_hf!r}: use never, final (the "

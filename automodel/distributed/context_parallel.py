@@ -39,7 +39,7 @@ from automodel.distributed.mesh import MeshAxis
 
 ATTENTION_NAME = "automodel_cp"
 # attention features the exchange above does not reproduce: refused by name at run time
-# (and before launch where the config shows them, ``launch/preflight.py``)
+# (and before launch where the config shows them, ``checks/preflight.py``)
 UNSUPPORTED_KWARGS = {"softcap": "attention logit soft-capping",
                       "s_aux": "attention sinks", "sinks": "attention sinks",
                       "position_bias": "a learned position bias"}

@@ -35,7 +35,7 @@ class DistInfo:
         met = (f", rendezvous at {os.environ.get('MASTER_ADDR')}:{os.environ['MASTER_PORT']}"
                if self.world_size > 1 and "MASTER_PORT" in os.environ else "")
         if self.hosts:
-            from automodel.launch.nodes import ranks_by_node
+            from automodel.config.nodes import ranks_by_node
 
             met += f", {ranks_by_node(list(self.hosts))}"
         threads = torch.get_num_threads()  # (launch_env.rank_threads: the same on every rank)

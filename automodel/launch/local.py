@@ -3,7 +3,7 @@
 Inside torchrun (or another torch elastic agent) this process already is a rank. Otherwise,
 with more than one process, start ``nproc_per_node`` local ranks through torch's elastic
 launch API (forked from a server that imported torch, transformers and automodel once:
-launch/forkserver.py), each handed the same resolved ``TrainConfig`` and a fresh rendezvous
+runtime/forkserver.py), each handed the same resolved ``TrainConfig`` and a fresh rendezvous
 port; if one rank fails, the agent stops the others and the error names the failing rank.
 """
 
@@ -25,9 +25,10 @@ from automodel.config.build import ConfigError
 from automodel.config.launch_env import THREADS_ENV, rank_threads, usable_cpus
 from automodel.config.resolve import TrainConfig
 from automodel.errors import LaunchError, TrainingStopped
-from automodel.launch import failure, forkserver
-from automodel.launch.restarts import ALLOWED_ENV, check_outer_restarts
-from automodel.launch.signals import STOP_SIGNALS
+from automodel.launch.restarts import check_outer_restarts
+from automodel.runtime import failure, forkserver
+from automodel.runtime.attempts import ALLOWED_ENV
+from automodel.runtime.signals import STOP_SIGNALS
 
 log = logging.getLogger(__name__)
 

@@ -30,8 +30,8 @@ from __future__ import annotations
 import os
 from typing import Mapping
 
-ALLOWED_ENV = "AUTOMODEL_MAX_RESTARTS"  # the restarts the srun function allows
-ATTEMPT_ENV = "AUTOMODEL_SRUN_ATTEMPT"  # 0 for the step's first run, then 1, 2, ...
+from automodel.runtime.attempts import ALLOWED_ENV, ATTEMPT_ENV
+
 CONFIG_ERROR_EXIT = 2
 
 
@@ -42,7 +42,7 @@ STOPPED_VAR = "automodel_stopped"  # set by the srun function when its step was 
 def stopped_exit_codes() -> list[int]:
     """The exit codes of ranks that a stop signal stopped after their save, under the srun
     function (SIGUSR1, SIGUSR2, SIGTERM: 74, 76, 79)."""
-    from automodel.launch.signals import STOP_SIGNALS
+    from automodel.runtime.signals import STOP_SIGNALS
 
     return sorted(STOPPED_BASE + int(s) for s in STOP_SIGNALS)
 
@@ -102,17 +102,6 @@ def job_script_lines(restarts: list[int], requeue: bool = False) -> list[str]:
         allowed = [f"automodel_restarts=({values})",
                    f"export {ALLOWED_ENV}=${{automodel_restarts[${{SLURM_ARRAY_TASK_ID:-0}}]}}"]
     return allowed + srun_function().splitlines()
-
-
-def in_job_restart(env: Mapping[str, str] = os.environ) -> int:
-    """How often this job's ranks were started again inside the job: torch elastic's attempt
-    (the local launcher, torchrun) or the srun function's."""
-    return int(env.get("TORCHELASTIC_RESTART_COUNT") or 0) + int(env.get(ATTEMPT_ENV) or 0)
-
-
-def restart_follows(env: Mapping[str, str] = os.environ) -> bool:
-    """True in a SLURM task whose step the srun function will start again if it fails now."""
-    return int(env.get(ATTEMPT_ENV) or 0) < int(env.get(ALLOWED_ENV) or 0)
 
 
 def check_outer_restarts(max_restarts: int, kind: str, env: Mapping[str, str]) -> str | None:

@@ -110,7 +110,7 @@ def requeue_follows() -> bool:
 def next_run() -> str | None:
     """What follows if this task's job step fails now: an in-job restart by the srun function
     (``automodel.launch.restarts``), else a requeue; None when the job then ends."""
-    from automodel.launch.restarts import ALLOWED_ENV, ATTEMPT_ENV, restart_follows
+    from automodel.runtime.attempts import ALLOWED_ENV, ATTEMPT_ENV, restart_follows
 
     if restart_follows():
         attempt = int(os.environ.get(ATTEMPT_ENV) or 0) + 1

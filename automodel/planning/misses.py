@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from automodel.planning.gpus import GiB, GpuProfile
+from automodel.costing.gpus import GiB, GpuProfile
 
 
 def nearest_misses(estimates: list[dict], gpu: GpuProfile, n: int = 3) -> list[dict]:

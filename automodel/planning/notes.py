@@ -21,7 +21,7 @@ def profile_notes(gpu: dict, calibration) -> list[str]:
     """What a plan or a search on the GPU profile ``gpu`` (its ``as_dict``) should say of its
     default efficiency: where no published bf16 run of that GPU supports it, how it was found
     (unless ``calibration`` sets it)."""
-    from automodel.planning.gpus import CARRIED_OVER
+    from automodel.costing.gpus import CARRIED_OVER
 
     name = gpu["name"]
     if name not in CARRIED_OVER or "compute_efficiency" in calibration:

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 from automodel.config.build import ConfigError
 from automodel.config.resolve import TrainConfig
-from automodel.planning import cost
-from automodel.planning.gpus import GpuProfile
+from automodel.costing import cost
+from automodel.costing.gpus import GpuProfile
 from automodel.planning.notes import plan_notes
 from automodel.planning.warnings import plan_warnings
 
@@ -153,7 +153,7 @@ def simulate_configs(configs: list, ranks: list[int], names: list[str] | None = 
         if weights is not None else [list(range(i, min(i + together, len(configs))))
                                      for i in range(0, len(configs), together)]
     tasks = [[(configs[i], ranks[i]) for i in g] for g in groups]
-    from automodel.launch import forkserver
+    from automodel.runtime import forkserver
 
     # (forked from a server that imported torch, the planner and the model's code once)
     context = forkserver.context(simulation_preload(configs[0]))
@@ -324,7 +324,11 @@ def pipeline_summary(cfg: TrainConfig) -> dict | None:
     micro-batches each stage holds at once. None without a pipeline."""
     if cfg.pipeline is None:
         return None
-    from automodel.planning.bubble import bubble_fraction, in_flight, schedule_timeline
+    from automodel.distributed.pipelining.bubble import (
+        bubble_fraction,
+        in_flight,
+        schedule_timeline,
+    )
 
     p = cfg.pipeline
     batch = p.pp_batch_size or cfg.layout.per_rank_batch(cfg.trainer.global_batch_size)
@@ -367,7 +371,7 @@ def spelled_overrides(cfg: TrainConfig) -> list[str]:
     mesh = {"dp_size": lay.dp, "dp_replicate_size": lay.dp_replicate, "tp_size": lay.tp,
             "cp_size": lay.cp, "cp_ulysses_size": lay.cp_ulysses, "pp_size": lay.pp,
             "ep_size": lay.ep}
-    from automodel.planning.cli import without_keys
+    from automodel.planning.job_env import without_keys
 
     kept = without_keys(cfg.overrides, ("mesh.", "plan."))
     spelled = [f"mesh.{k}={v}" for k, v in mesh.items()

@@ -106,7 +106,7 @@ def probe_overrides(base: list[str], key: ProbeKey, depth: int, seq_len: int,
     what the probe sets."""
     owned = (*LAYOUT_KEYS, "plan.", "trainer.global_batch_size",
              "model.config.num_hidden_layers", "parallelism=")
-    from automodel.planning.cli import without_keys
+    from automodel.planning.job_env import without_keys
 
     kept = without_keys(base, owned)
     dp = key.dp * (2 if key.replicated else 1)

@@ -19,9 +19,9 @@ import math
 import os
 
 from automodel.config.pipeline_layout import stage_layer_ranges
-from automodel.planning import cost
+from automodel.costing import cost
+from automodel.costing.gpus import GpuProfile
 from automodel.planning.candidates import Candidate, admitted, candidates
-from automodel.planning.gpus import GpuProfile
 from automodel.planning.probes import ACTIVATION_AXES, LAYOUT_KEYS
 from automodel.planning.search_text import CONFIRM_TRIES, search_summary
 
@@ -31,7 +31,11 @@ def _schedule(pipeline_name: str, pp: int, microbatches: int):
     """(bubble, micro-batches held per stage, stages of each rank, stage count) of the
     schedule."""
     from automodel.config.schema import PipelineConfig
-    from automodel.planning.bubble import bubble_fraction, in_flight, schedule_timeline
+    from automodel.distributed.pipelining.bubble import (
+        bubble_fraction,
+        in_flight,
+        schedule_timeline,
+    )
 
     p = PipelineConfig(pp_schedule=pipeline_name)
     timeline = schedule_timeline(p, pp, microbatches)
@@ -225,7 +229,7 @@ def resolve_for_search(overrides: list[str]):
     """The job's own settings (model, data, precision, batch, ...) resolved as one rank: its
     layout is what the search chooses, so none may be given."""
     from automodel.config.build import ConfigError
-    from automodel.planning.cli import without_keys
+    from automodel.planning.job_env import without_keys
 
     given = [o for o in overrides if o not in without_keys(overrides, LAYOUT_KEYS)]
     if given:
@@ -236,7 +240,7 @@ def resolve_for_search(overrides: list[str]):
 
 
 def _base_overrides(cfg) -> list[str]:
-    from automodel.planning.cli import without_keys
+    from automodel.planning.job_env import without_keys
 
     return without_keys(cfg.overrides, ("plan.", *LAYOUT_KEYS))
 
@@ -254,7 +258,7 @@ def _rank_key(e: dict) -> tuple:
 
 def run_search(train, gpu: GpuProfile, plan_cfg, out: str, admission=None) -> list[dict]:
     """``admission(base overrides, seq_len)``: the candidates' check before launch (plan.py
-    passes ``launch.admission.Admission``), or None."""
+    passes ``prepare.admission.Admission``), or None."""
     from automodel.config.build import ConfigError
 
     if plan_cfg.gpus is None:
@@ -281,7 +285,7 @@ def search_layouts(train, gpu: GpuProfile, plan_cfg, keep=None, base=None,
     misses (``nearest_misses``). ``keep``: which candidates may be chosen (the bounds of
     ``layout=auto``); ``base``: the job's own overrides (default: ``train``'s, without the
     layout keys); ``admit``: a candidate's refusal before launch, or None (the preflight's
-    checks, ``launch/admission.py``; refused layouts are not weighed)."""
+    checks, ``prepare/admission.py``; refused layouts are not weighed)."""
     from automodel.config.build import ConfigError
     from automodel.planning.notes import profile_notes
 
@@ -356,7 +360,7 @@ def _confirm(base: list[str], best: dict, gpu: GpuProfile, plan_cfg) -> dict:
     """The layout planned in full, by the simulation of the pipeline ranks (rank classes)
     that decide it: the one of the largest estimated peak and the slowest (every class of a
     plan would cost each pipeline rank's simulation; ``plan.py`` plans them all)."""
-    from automodel.planning.calibrate import check_entry
+    from automodel.costing.calibrate import check_entry
     from automodel.planning.plan import make_plan
 
     ranks = best["ranks"]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from automodel.planning.gpus import GiB
+from automodel.costing.gpus import GiB
 
 CONFIRM_TRIES = 3  # estimates a search plans in full, fastest first, until one fits
 

@@ -9,7 +9,7 @@ dtypes and placements are real; no byte is allocated), the real optimizer and th
 The optimizer's states are made first, as its first step would make them (one step on zero
 gradients, not reported: a first step's peak holds one-off allocations). Then one training
 step runs under torch's memory tracker (live tensor bytes by kind, their peak), a collective
-counter (``planning/comm.py``) and a FLOP counter (``planning/flops.py``): the steady state,
+counter (``costing/comm.py``) and a FLOP counter (``costing/flops.py``): the steady state,
 as the second and later steps of a run. (On layouts of every kind the peak equals that of a
 second step after a real first one, at half the time.)
 """
@@ -39,10 +39,10 @@ from automodel.compat.planning import (
 )
 from automodel.compat.torch_dist import forget_meshes
 from automodel.config.resolve import TrainConfig
-from automodel.planning.comm import CommCounter, axis_groups
-from automodel.planning.counters import StepCounters
+from automodel.costing.comm import CommCounter, axis_groups
+from automodel.costing.counters import StepCounters
+from automodel.costing.flops import FlopCounter
 from automodel.planning.fake import IndicesStayReal, RealStaysReal, allocate_fake
-from automodel.planning.flops import FlopCounter
 
 # the memory tracker's kinds -> the plan's categories
 CATEGORIES = {"Parameter": "parameters_sharded", "Gradient": "gradients",
@@ -96,7 +96,7 @@ def simulate_rank(cfg: TrainConfig, rank: int) -> RankSimulation:
 
 def fake_step(cfg: TrainConfig, rank: int) -> None:
     """One training step of ``cfg``'s rank ``rank`` on fake tensors, nothing measured (the
-    preflight's check, ``launch/fake_step.py``). An exception in the model's forward is
+    preflight's check, ``checks/fake_step.py``). An exception in the model's forward is
     raised as ``ModuleFailed``, naming the innermost module that was running."""
     from automodel.planning.fake import ModuleTrail
 

@@ -4,8 +4,8 @@ parallelism across nodes, and pipeline stages of unequal work or memory."""
 
 from __future__ import annotations
 
-from automodel.planning import cost
-from automodel.planning.gpus import GiB, GpuProfile, MiB
+from automodel.costing import cost
+from automodel.costing.gpus import GiB, GpuProfile, MiB
 
 BUBBLE_WARN = 0.20  # of the step
 SMALL_GATHER = 1 * MiB  # per rank's shard, per all-gather

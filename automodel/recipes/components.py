@@ -33,8 +33,6 @@ from automodel.distributed.megatron_meta_init import ModuleSource
 from automodel.distributed.mesh import MeshAxis
 from automodel.distributed.setup import DistributedSetup
 from automodel.faults import Faults
-from automodel.launch.failure import set_phase
-from automodel.launch.restarts import in_job_restart
 from automodel.models.builder import build_meta_model, build_model
 from automodel.models.weight_files import safetensors_files
 from automodel.optim import Optimizers, Schedulers
@@ -45,6 +43,8 @@ from automodel.peft.export import adapter_record
 from automodel.peft.lora import LoraConv1D, lora_modules
 from automodel.recipes.evaluate import Evaluator
 from automodel.recipes.router_loss import RouterLoss
+from automodel.runtime.attempts import in_job_restart
+from automodel.runtime.failure import set_phase
 
 log = logging.getLogger("automodel")
 

@@ -20,14 +20,14 @@ from automodel.config.resolve import TrainConfig
 from automodel.data.prefetch import Prefetcher
 from automodel.distributed.init import DistInfo, set_collective_timeout
 from automodel.distributed.setup import DistributedSetup
-from automodel.launch.failure import set_phase
-from automodel.launch.signals import StopSignal
 from automodel.models.weight_files import model_source
 from automodel.recipes.components import Components
 from automodel.recipes.pipeline_step import step_loader_options
 from automodel.recipes.step import train_step
 from automodel.recipes.step_log import StepLog
 from automodel.recipes.step_values import StepValues, read_step
+from automodel.runtime.failure import set_phase
+from automodel.runtime.signals import StopSignal
 from automodel.tracking.memory import TensorPeak, tensor_peak_for
 from automodel.tracking.plan_check import PlanCheck, plan_check_for
 from automodel.tracking.profile import StepProfiler

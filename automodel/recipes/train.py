@@ -24,10 +24,10 @@ from automodel.distributed.context_parallel import build_context_parallel
 from automodel.distributed.init import DistInfo, destroy_distributed, init_distributed
 from automodel.distributed.mesh import MeshAxis, MeshContext, build_mesh_for
 from automodel.distributed.setup import DistributedSetup, named_hook
-from automodel.launch.failure import keep_tracebacks_in, set_phase
 from automodel.recipes.components import build_components, restore
 from automodel.recipes.finish import close, raise_if_stopped, save_last
 from automodel.recipes.loop import run_steps, start_run
+from automodel.runtime.failure import keep_tracebacks_in, set_phase
 
 log = logging.getLogger("automodel")
 

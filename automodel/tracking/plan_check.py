@@ -24,7 +24,7 @@ import statistics
 
 import torch.distributed as dist
 
-from automodel.planning import calibrate
+from automodel.costing import calibrate
 
 log = logging.getLogger("automodel")
 
@@ -54,8 +54,8 @@ class PlanCheck:
         """Around step ``number``'s work: the collectives of the counted step are counted."""
         if number != self.counted or not self.count_comm or self.mesh is None:
             return contextlib.nullcontext()
-        from automodel.planning.comm import CommCounter, axis_groups
-        from automodel.planning.counters import StepCounters
+        from automodel.costing.comm import CommCounter, axis_groups
+        from automodel.costing.counters import StepCounters
 
         self.comm = CommCounter(axis_groups(self.mesh))
         return StepCounters(self.comm)

@@ -34,12 +34,9 @@ class SlurmLauncher(SubmititSlurmLauncher):
     this module)."""
 
     def launch(self, job_overrides, initial_job_idx):
-        from automodel.launch.hydra_slurm import (
-            check_slurm_request,
-            preflight_sweep,
-            stock_parameters,
-        )
+        from automodel.launch.hydra_slurm import check_slurm_request, stock_parameters
         from automodel.launch.slurm import job_states_refreshed
+        from automodel.prepare.sweep_jobs import preflight_sweep
 
         check_slurm_request(self.params)
         job_overrides = [list(o) for o in job_overrides]  # (layout=auto adds its choice)

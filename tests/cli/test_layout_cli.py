@@ -38,9 +38,9 @@ RULES = [
 @pytest.mark.parametrize("args,expected", RULES)
 def test_rule_on_the_model_structure_fails_before_any_rank(args, expected, tmp_path):
     from automodel.api import load_config
+    from automodel.checks.preflight import preflight
     from automodel.config.build import ConfigError
     from automodel.config.cli_check import check_cli_overrides
-    from automodel.launch.preflight import preflight
 
     overrides = ["parallelism=fsdp2"] + args + ON_CPU
     check_cli_overrides(overrides)

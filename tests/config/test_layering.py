@@ -1,7 +1,6 @@
 """``automodel/config`` sits below the runtime: it imports nothing of the packages that run a
 job, and checking a configuration imports no torch.distributed.checkpoint."""
 
-import ast
 import json
 import subprocess
 import sys
@@ -9,46 +8,24 @@ from pathlib import Path
 
 import pytest
 
+from tests.test_import_layers import import_graph
+
 pytestmark = pytest.mark.fast
 
 ROOT = Path(__file__).resolve().parents[2]
-CONFIG = ROOT / "automodel" / "config"
+# (the floors of tests/test_import_layers.py keep config below launching, planning and
+# training; within the libraries' floor, config also stays below these)
 FORBIDDEN = ("automodel.distributed", "automodel.models", "automodel.launch",
              "automodel.recipes", "automodel.checkpoint")
 
 
-def _imported(tree: ast.AST):
-    """(line, module) of every import in ``tree``, top level or inside a function; ``from
-    automodel import launch`` counts as ``automodel.launch``."""
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            for alias in node.names:
-                yield node.lineno, alias.name
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            yield node.lineno, node.module
-            for alias in node.names:
-                yield node.lineno, f"{node.module}.{alias.name}"
-
-
-def _forbidden(module: str) -> bool:
-    return any(module == f or module.startswith(f + ".") for f in FORBIDDEN)
-
-
 def test_config_imports_no_runtime_package():
-    files = sorted(CONFIG.glob("*.py"))
-    assert len(files) > 5
-    found = [f"{path.relative_to(ROOT)}:{line}: {module}"
-             for path in files for line, module in _imported(ast.parse(path.read_text()))
-             if _forbidden(module)]
+    graph = import_graph(ROOT)
+    config = [m for m in graph if m.startswith("automodel.config.")]
+    assert len(config) > 5
+    found = [f"{m}:{line}: {t}" for m in sorted(config) for t, line in graph[m].items()
+             if any(t == f or t.startswith(f + ".") for f in FORBIDDEN)]
     assert not found, "config/ imports runtime packages:\n" + "\n".join(found)
-
-
-def test_the_scan_sees_imports_inside_functions():
-    tree = ast.parse("def f():\n    from automodel.launch.env import x\n"
-                     "def g():\n    import automodel.models.parts\n"
-                     "from automodel import checkpoint\n")
-    assert {m for _, m in _imported(tree) if _forbidden(m)} >= {
-        "automodel.launch.env", "automodel.models.parts", "automodel.checkpoint"}
 
 
 CHILD = """

@@ -356,7 +356,7 @@ def test_tp_numbers_come_from_the_model_config():
 
 def layout_error(*overrides) -> str:
     """The checks on the model's own structure, run before launch (meta device)."""
-    from automodel.launch.preflight import check_model_layout
+    from automodel.checks.preflight import check_model_layout
 
     with pytest.raises(ConfigError) as info:
         check_model_layout(cfg(*overrides))

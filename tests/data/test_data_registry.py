@@ -79,7 +79,7 @@ def test_a_source_without_image_text_samples_is_refused_before_launch(tmp_path):
     import numpy as np
 
     from automodel.api import load_config
-    from automodel.launch.preflight import check_model_layout
+    from automodel.checks.preflight import check_model_layout
 
     np.save(tmp_path / "t.npy", np.arange(500) % 200)
     cfg = load_config(["model=llava_tiny", "data=tokens", f"data.path={tmp_path}/t.npy"])

@@ -86,7 +86,7 @@ def test_templates_and_data_files(tmp_path):
 
 def _prepare(overrides, tmp_path):
     from automodel.api import load_config
-    from automodel.launch.preflight import prepare_data
+    from automodel.checks.preflight import prepare_data
 
     prepare_data(load_config(overrides, str(tmp_path)))
 

@@ -127,7 +127,7 @@ def test_async_options_that_cannot_work_are_refused(tmp_path):
                                           r"checkpoint.async_mode=none"):
         load_config(["checkpoint.every_steps=2", "checkpoint.pinned_memory=true"],
                     str(tmp_path))
-    from automodel.launch.preflight import preflight
+    from automodel.checks.preflight import preflight
 
     cfg = load_config(["checkpoint.every_steps=2", "checkpoint.async_mode=process",
                        "checkpoint.pinned_memory=true"], str(tmp_path))

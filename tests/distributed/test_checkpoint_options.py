@@ -15,8 +15,8 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from automodel.api import load_config
 from automodel.checkpoint.paths import checkpoint_path
+from automodel.checks.preflight import preflight
 from automodel.config.build import ConfigError
-from automodel.launch.preflight import preflight
 from tests.helpers import FP32, train
 
 SAVED = ["parallelism=fsdp2", FP32, "mesh.dp_size=2", "trainer.max_steps=4",

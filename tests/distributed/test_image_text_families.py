@@ -169,8 +169,8 @@ def test_other_families_are_refused_before_launch(tmp_path, caplog):
         MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES as FAMILIES,
     )
 
+    from automodel.checks.preflight import check_model_layout
     from automodel.config.build import ConfigError
-    from automodel.launch.preflight import check_model_layout
 
     cfg = _base_config(tmp_path)
     assert not set(COVERED) & set(REFUSED) and set(COVERED) | set(REFUSED) <= set(FAMILIES)
@@ -193,7 +193,7 @@ def test_other_families_are_refused_before_launch(tmp_path, caplog):
     # image-text families without a vision_config but with a causal-LM class train as text,
     # and the user is told so
     for family in TEXT_ONLY:
-        with caplog.at_level(logging.WARNING, logger="automodel.launch.preflight"):
+        with caplog.at_level(logging.WARNING, logger="automodel.checks.preflight"):
             caplog.clear()
             check_model_layout(_with_model(cfg, family))
         assert f"model_type {family!r} is an image-text family without a vision_config" \

@@ -328,8 +328,8 @@ def test_what_a_family_s_plan_cannot_do_is_refused_before_launch(family, sp, exp
 def _refusal(family: str, layout: list) -> str:
     """The preflight's refusal of ``family`` (tiny) in ``layout`` (it must refuse)."""
     from automodel.api import load_config
+    from automodel.checks.preflight import check_model_layout
     from automodel.config.build import ConfigError
-    from automodel.launch.preflight import check_model_layout
 
     cfg = load_config(layout + ["mesh.dp_size=1", "model=llava_tiny", "data=synthetic"])
     with warnings.catch_warnings():
@@ -393,8 +393,8 @@ def test_a_sequence_that_does_not_split_into_cp_chunks_is_refused():
 ])
 def test_layouts_an_image_text_model_cannot_take_are_refused(layout, expected):
     from automodel.api import load_config
+    from automodel.checks.preflight import check_model_layout
     from automodel.config.build import ConfigError
-    from automodel.launch.preflight import check_model_layout
 
     cfg = load_config(["parallelism=fsdp2", "model=llava_tiny", "data=synthetic"] + layout)
     with pytest.raises(ConfigError) as info:

@@ -1,4 +1,4 @@
-"""``layout=auto`` (automodel/launch/auto_layout.py): the planner's search chooses the layout for
+"""``layout=auto`` (automodel/prepare/auto_layout.py): the planner's search chooses the layout for
 the ranks at hand before any starts, the keys the user set bound it, and the run's config is
 the printed command's. Real searches (probes simulated in worker processes) and a real run on
 4 CPU ranks; the SLURM submitter's part is in tests/launch/test_slurm.py."""
@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 
 from automodel.api import compose, load_config
 from automodel.config.build import ConfigError
-from automodel.launch.auto_layout import allows, bounds_of, choose_layout
+from automodel.prepare.auto_layout import allows, bounds_of, choose_layout
 from tests.cli.test_cli import ROOT
 
 TINY = ["distributed.backend=gloo", "trainer.max_steps=3", "trainer.log_every=1"]
@@ -143,9 +143,9 @@ def test_a_qlora_search_weighs_only_the_layouts_the_preflight_lets_start(tmp_pat
     columns) and those whose FSDP shards cut NF4 scale groups (the MLP's 22 groups over 4
     shards) are left out before the search, with the preflight's reasons; the search then
     chooses among the rest, and the chosen job passes the preflight."""
-    from automodel.launch.auto_layout import search_and_choose
-    from automodel.launch.device_profiles import local_profile
-    from automodel.launch.preflight import preflight
+    from automodel.checks.preflight import preflight
+    from automodel.prepare.auto_layout import search_and_choose
+    from automodel.prepare.device_profiles import local_profile
 
     monkeypatch.setenv("AUTOMODEL_CACHE", str(tmp_path / "cache"))
     qlora = ["peft=qlora", "peft.nf4_scaler_block_size=8", "distributed.backend=gloo",
@@ -169,9 +169,9 @@ def test_the_search_cache_is_keyed_by_what_a_plan_depends_on(tmp_path):
     """The same config.json under two paths is one search; every key that changes a plan
     (the offload policy, the optimizer's path, the loss, the base's dtype) is another; what a
     plan ignores (the steps, the seed, the logger) is the same search."""
-    from automodel.launch.auto_layout import search_key
+    from automodel.costing.gpus import profile
     from automodel.models.builder import hf_config
-    from automodel.planning.gpus import profile
+    from automodel.prepare.auto_layout import search_key
 
     for name in ("a", "b"):
         hf_config(load_config([]).model).save_pretrained(tmp_path / name)

@@ -13,7 +13,7 @@ import pytest
 
 from automodel.checkpoint.paths import checkpoint_path, complete_checkpoints
 from automodel.errors import LaunchError, describe
-from automodel.launch.failure import launcher_message
+from automodel.runtime.failure import launcher_message
 from automodel.tracking.metrics import read_metrics
 from tests.cli.test_cli import QUICK, ROOT, TRAIN, metrics_files
 from tests.cli.test_cli import run as cli

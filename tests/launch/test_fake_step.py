@@ -1,4 +1,4 @@
-"""The preflight's fake step (``automodel/launch/fake_step.py``): a layout that would crash in
+"""The preflight's fake step (``automodel/checks/fake_step.py``): a layout that would crash in
 its first step is refused before launch, naming the family, the layout, the rank and the
 module; one that trains passes. In this process, on fake tensors, with a fake process group
 that is gone afterwards (no rank, no real group)."""
@@ -9,9 +9,9 @@ import pytest
 import torch.distributed as dist
 
 from automodel.api import load_config
+from automodel.checks import fake_step
+from automodel.checks.preflight import preflight
 from automodel.config.build import ConfigError
-from automodel.launch import fake_step
-from automodel.launch.preflight import preflight
 from tests.helpers import FP32
 
 pytestmark = pytest.mark.fast
@@ -57,7 +57,7 @@ def test_every_kind_of_pipeline_rank_takes_a_step():
 
 
 def test_layouts_that_train_pass_and_say_so(caplog):
-    with caplog.at_level(logging.INFO, logger="automodel.launch.fake_step"):
+    with caplog.at_level(logging.INFO, logger="automodel.checks.fake_step"):
         preflight(_cfg("mesh.tp_size=2"))
     assert "one step of parallelism=fsdp2 pipeline=none tp 2 on fake tensors (1 rank " \
         "class, 1 layer)" in caplog.text
@@ -77,7 +77,7 @@ def broken_loss(logits, labels):
 def test_a_failure_outside_the_model_is_the_simulation_s_limit_not_a_refusal(caplog):
     # what fails outside the model's forward (here the pipeline's loss; elsewhere what the
     # fake tensors cannot do) is logged, and the job starts unchecked
-    with caplog.at_level(logging.WARNING, logger="automodel.launch.fake_step"):
+    with caplog.at_level(logging.WARNING, logger="automodel.checks.fake_step"):
         preflight(_cfg("pipeline=1f1b", "pipeline.pp_microbatch_size=2",
                        "pipeline.loss_fn=tests.launch.test_fake_step.broken_loss"))
     assert "could not run pp rank 1 outside the model's forward (RuntimeError: this loss " \
@@ -86,7 +86,7 @@ def test_a_failure_outside_the_model_is_the_simulation_s_limit_not_a_refusal(cap
 
 def test_a_step_past_the_time_bound_is_cut_short_with_a_warning(monkeypatch, caplog):
     monkeypatch.setattr(fake_step, "TIME_BOUND_SECONDS", 1e-3)
-    with caplog.at_level(logging.WARNING, logger="automodel.launch.fake_step"):
+    with caplog.at_level(logging.WARNING, logger="automodel.checks.fake_step"):
         preflight(_cfg("mesh.tp_size=2", Q_ONLY))  # (would be refused, given the time)
     assert "did not finish within 0 s and was cut short" in caplog.text
     assert not dist.is_initialized()
@@ -157,7 +157,7 @@ def test_a_router_kept_in_float32_is_a_unit_of_its_own():
 def test_a_forward_that_reads_tensor_values_is_not_refused(caplog):
     # JetMoE's router takes .item() of its counts: fake tensors have no values, so the step
     # cannot go on there; that is the simulation's limit, not the layout's (it trains)
-    with caplog.at_level(logging.WARNING, logger="automodel.launch.fake_step"):
+    with caplog.at_level(logging.WARNING, logger="automodel.checks.fake_step"):
         preflight(_cfg("model=pretrained", "+model.config.model_type=jetmoe",
                        "+model.config.vocab_size=256", "+model.config.hidden_size=64",
                        "+model.config.num_hidden_layers=2", "+model.config.num_attention_heads=4",
@@ -204,7 +204,7 @@ def test_a_family_that_fails_with_cast_weights_is_refused_under_the_default_prec
                               "with parallelism=fsdp2 pipeline=none dp_shard 2")
     assert "fails in transformer.h.0.attn" in message
     assert "param_dtype:float32" in message  # (the fix, not another layout)
-    with caplog.at_level(logging.INFO, logger="automodel.launch.fake_step"):
+    with caplog.at_level(logging.INFO, logger="automodel.checks.fake_step"):
         preflight(_cfg(*gpt1, FP32))  # float32 weights: nothing to check, not stepped
     assert "on fake tensors" not in caplog.text
 
@@ -243,7 +243,7 @@ def test_a_tower_that_fails_once_cut_is_stepped_whole(monkeypatch, caplog):
         return {"vision_config": {**config.vision_config.to_dict(), "num_hidden_layers": 1}}
 
     monkeypatch.setattr(mm, "tower_cut", bad_cut)
-    with caplog.at_level(logging.INFO, logger="automodel.launch.fake_step"):
+    with caplog.at_level(logging.INFO, logger="automodel.checks.fake_step"):
         preflight(_cfg("model=llava_tiny", "mesh.tp_size=2",
                        "model.config.vision_feature_layer=-3"))
     assert "with the vision tower cut to 1 layers fails (" in caplog.text

@@ -1,4 +1,4 @@
-"""Local ranks are forked from one pre-imported server (automodel/launch/forkserver.py) and
+"""Local ranks are forked from one pre-imported server (automodel/runtime/forkserver.py) and
 still see the launcher's environment of the moment they start, not the server's."""
 
 import os
@@ -18,7 +18,7 @@ def _report():
 
 
 def _server_env():
-    from automodel.launch import forkserver
+    from automodel.runtime import forkserver
 
     return forkserver._START_ENV
 
@@ -55,7 +55,7 @@ LAUNCHER = '''
 import json, sys
 sys.path.insert(0, sys.argv[1])  # only this process knows where fs_probe lives
 import automodel
-from automodel.launch import forkserver
+from automodel.runtime import forkserver
 forkserver.PRELOAD.append("fs_probe")
 from automodel.launch.local import run_on_local_ranks
 import fs_probe

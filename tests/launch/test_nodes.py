@@ -3,7 +3,7 @@
 import pytest
 
 from automodel.config.layout import Layout
-from automodel.launch.nodes import blocks, ranks_by_node, split_axes_warning
+from automodel.config.nodes import blocks, ranks_by_node, split_axes_warning
 
 
 @pytest.mark.fast

@@ -1,4 +1,4 @@
-"""Every entry point runs the one preflight (``automodel.launch.preflight``): the CLI,
+"""Every entry point runs the one preflight (``automodel.checks.preflight``): the CLI,
 ``automodel.api.run``, the benchmarks' rank runner, the SLURM submitter and each SLURM task.
 The check list is replaced by recorders, the last of which refuses; each entry point must run
 the whole list, in order, and stop before anything starts. (The submit-time refusals on a real
@@ -20,8 +20,8 @@ def checks(monkeypatch):
     run; the last raises ``ConfigError``. Whatever starts ranks or submits fails the test."""
     import submitit
 
+    import automodel.checks.preflight as pf
     import automodel.launch.local
-    import automodel.launch.preflight as pf
 
     calls = []
 
@@ -114,9 +114,9 @@ def test_submit_time_gpus_reach_the_runtime_check(monkeypatch):
     checks are tested with their own options.) The submitter's torch is taken for a CUDA
     build (mocked: this machine's is a CPU build, which is refused for a job with GPUs:
     tests/launch/test_slurm_env.py)."""
-    import automodel.launch.preflight as pf
+    import automodel.checks.preflight as pf
     from automodel.api import load_config
-    from automodel.launch.preflight import preflight
+    from automodel.checks.preflight import preflight
     from automodel.launch.slurm import submit_env
 
     assert pf.PREFLIGHT_CHECKS[0][0] == "runtime support"
@@ -124,7 +124,7 @@ def test_submit_time_gpus_reach_the_runtime_check(monkeypatch):
 
     cfg = load_config(["parallelism=megatron_fsdp", "data=synthetic"], env=submit_env(1, 2))
     with monkeypatch.context() as cuda:
-        cuda.setattr("automodel.launch.support.torch_build", lambda: ("2.13.0+cu128", True))
+        cuda.setattr("automodel.checks.support.torch_build", lambda: ("2.13.0+cu128", True))
         preflight(cfg, gpus=2)
     with pytest.raises(ConfigError, match="is a CPU build"):  # this machine's torch
         preflight(cfg, gpus=2)

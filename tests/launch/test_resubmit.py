@@ -103,18 +103,18 @@ def test_checkpoint_dir_from_experiment(tmp_path, monkeypatch):
 def test_output_directory_named_by_time_is_seen_on_every_rank():
     from omegaconf import OmegaConf
 
-    from automodel.cli import _named_by_time
+    from automodel.config.compose import named_by_time
 
     def hc(run_dir, hydra_overrides=()):
         return OmegaConf.create({"run": {"dir": run_dir}, "sweep": {"dir": "/fixed/sweep"},
                                  "overrides": {"hydra": list(hydra_overrides)}})
     timed = "outputs/${now:%Y-%m-%d}/${now:%H-%M-%S}"
-    assert _named_by_time(hc(timed), multirun=False, env={})
-    assert not _named_by_time(hc("/fixed"), multirun=False, env={})
-    assert not _named_by_time(hc(timed), multirun=True, env={})  # (sweep.dir is fixed)
+    assert named_by_time(hc(timed), multirun=False, env={})
+    assert not named_by_time(hc("/fixed"), multirun=False, env={})
+    assert not named_by_time(hc(timed), multirun=True, env={})  # (sweep.dir is fixed)
     # torchrun's other ranks run in hydra.run.dir=. (cli.prepare_argv); rank 0 in the user's
     torchrun = {"TORCHELASTIC_RUN_ID": "1", "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
                 "LOCAL_WORLD_SIZE": "2"}
-    assert _named_by_time(hc(".", ["hydra.run.dir=."]), multirun=False, env=torchrun)
-    assert not _named_by_time(hc(".", ["hydra.run.dir=/fixed", "hydra.run.dir=."]),
+    assert named_by_time(hc(".", ["hydra.run.dir=."]), multirun=False, env=torchrun)
+    assert not named_by_time(hc(".", ["hydra.run.dir=/fixed", "hydra.run.dir=."]),
                               multirun=False, env=torchrun)

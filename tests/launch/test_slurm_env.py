@@ -7,6 +7,7 @@ tests/launch/test_recipes_slurm.py."""
 import pytest
 
 from automodel.api import load_config
+from automodel.checks.preflight import preflight
 from automodel.config.build import ConfigError
 from automodel.config.launch_env import cuda_device_index, detect_launch_env, slurm_gpus
 from automodel.config.slurm_env import (
@@ -17,7 +18,6 @@ from automodel.config.slurm_env import (
     rank_environment,
     rendezvous_port,
 )
-from automodel.launch.preflight import preflight
 from tests.helpers import BASE
 
 pytestmark = pytest.mark.fast
@@ -161,7 +161,7 @@ def test_a_cpu_build_of_torch_on_a_gpu_node_is_refused_before_training(tmp_path,
 def test_gpu_binding_is_checked_before_training(tmp_path, monkeypatch):
     """With a CUDA build (mocked: this machine's torch is a CPU build, and has no GPU) a task
     that sees too few GPUs for its local rank is refused; one that sees one GPU passes."""
-    monkeypatch.setattr("automodel.launch.support.torch_build", lambda: ("2.13.0+cu128", True))
+    monkeypatch.setattr("automodel.checks.support.torch_build", lambda: ("2.13.0+cu128", True))
     monkeypatch.setattr("automodel.config.launch_env.gpu_device_probe", lambda: 8)
     _preflight({**GPU_NODE_TASK, "CUDA_VISIBLE_DEVICES": "5"}, tmp_path)  # its own GPU
     _preflight(GPU_NODE_TASK, tmp_path)  # the node's 8: cuda:5

@@ -241,7 +241,7 @@ def test_layout_auto_on_two_nodes_searches_at_submit_and_keeps_tp_within_a_node(
 
     assert_plan_check(sweep / "0")  # (the submitter's plan, checked by the tasks)
     # the nodes' memory: the named partition's, else the default one's (debug, marked by sinfo)
-    from automodel.launch.device_profiles import slurm_profile
+    from automodel.prepare.device_profiles import slurm_profile
 
     assert search["gpu"]["hbm_bytes"] == slurm_profile("two", 2).hbm_bytes
     assert slurm_profile(None, 2).hbm_bytes > slurm_profile("two", 2).hbm_bytes

@@ -1,4 +1,4 @@
-"""SLURM refuses at submit time what the preflight refuses (``automodel.launch.preflight``): a
+"""SLURM refuses at submit time what the preflight refuses (``automodel.checks.preflight``): a
 TP plan the model cannot take and a dataset that is not there exit 2 with the preflight's
 message, and nothing is queued, neither through ``python -m launchers.slurm`` nor through a
 ``hydra/launcher=slurm`` sweep (where a valid job of the same sweep is not queued either).

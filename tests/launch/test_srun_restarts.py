@@ -13,16 +13,13 @@ import pytest
 
 from automodel.errors import TrainingStopped
 from automodel.launch.restarts import (
-    ALLOWED_ENV,
-    ATTEMPT_ENV,
     check_outer_restarts,
-    in_job_restart,
     job_script_lines,
-    restart_follows,
     stopped_exit_codes,
     task_exit_code,
 )
 from automodel.launch.slurm import job_script_parameters, next_run, requeue_parameters
+from automodel.runtime.attempts import ALLOWED_ENV, ATTEMPT_ENV, in_job_restart, restart_follows
 from tests.cli.test_cli import ROOT
 
 pytestmark = pytest.mark.fast

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from automodel.api import load_config
+from automodel.checks.preflight import preflight
 from automodel.config.build import ConfigError
-from automodel.launch.preflight import preflight
 from automodel.models.builder import build_meta_model, build_model, check_weights, hf_config
 from automodel.models.experts import expert_modules
 

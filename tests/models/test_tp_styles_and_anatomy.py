@@ -10,9 +10,9 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from automodel.api import load_config
+from automodel.checks.preflight import check_model_layout
 from automodel.config.build import ConfigError
 from automodel.config.tp_styles import TP_STYLE_NAMES, TP_STYLES, style_problem
-from automodel.launch.preflight import check_model_layout
 from automodel.models.anatomy import AnatomyError, find_anatomy
 
 pytestmark = pytest.mark.fast

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from automodel.api import load_config
+from automodel.checks.preflight import preflight
 from automodel.config.build import ConfigError
 from automodel.config.enums import LoraInit, PeftMethod
 from automodel.config.schema import ModelConfig, PeftConfig
-from automodel.launch.preflight import preflight
 from automodel.models.builder import build_meta_model, build_model
 from automodel.peft import add_adapters, init_adapters
 from automodel.peft.lora import LoraLinear, initial_a, lora_modules

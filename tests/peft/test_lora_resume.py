@@ -7,8 +7,8 @@ import pytest
 
 from automodel.api import load_config
 from automodel.checkpoint.paths import checkpoint_path
+from automodel.checks.preflight import check_resume_checkpoint
 from automodel.config.build import ConfigError
-from automodel.launch.preflight import check_resume_checkpoint
 from tests.helpers import FP32, job_overrides, train
 
 LORA = ["peft=lora", "peft.rank=4", "peft.alpha=8"]

@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from automodel.api import load_config
+from automodel.checks.preflight import check_adapters
 from automodel.config.build import ConfigError
 from automodel.config.enums import PeftMethod
 from automodel.config.schema import ModelConfig, PeftConfig
-from automodel.launch.preflight import check_adapters
 from automodel.models.builder import build_model
 from automodel.peft import add_adapters, init_adapters
 from automodel.peft.lora import lora_modules

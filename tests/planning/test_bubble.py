@@ -1,13 +1,13 @@
 """The pipeline bubble and in-flight micro-batches from torch's own schedule objects
-(``automodel/planning/bubble.py``): closed forms where they hold exactly, regression values,
-CSV schedules, and the schedule a real run on gloo ranks built and ran."""
+(``automodel/distributed/pipelining/bubble.py``): closed forms where they hold exactly,
+regression values, CSV schedules, and the schedule a real run on gloo ranks built and ran."""
 
 from fractions import Fraction
 
 import pytest
 
 from automodel.config.schema import PipelineConfig
-from automodel.planning.bubble import (
+from automodel.distributed.pipelining.bubble import (
     bubble_fraction,
     bubble_of_run,
     in_flight,

@@ -7,15 +7,15 @@ import pytest
 
 from automodel.config.build import ConfigError
 from automodel.config.layout import Layout
-from automodel.planning import cost
-from automodel.planning.cost import (
+from automodel.costing import cost
+from automodel.costing.cost import (
     axis_spans_nodes,
     collective_seconds,
     job_step_time,
     mesh_sizes,
     step_time,
 )
-from automodel.planning.gpus import PROFILES, GiB, MiB, profile
+from automodel.costing.gpus import PROFILES, GiB, MiB, profile
 from automodel.planning.picture import OVERHEAD, UNATTRIBUTED, draw_plan, memory_bars, time_bars
 
 pytestmark = pytest.mark.fast

@@ -20,8 +20,8 @@ def test_extend_follows_the_line_through_two_depths():
 
 
 def _shallow_equals_full(overrides: list[str], depths) -> None:
+    from automodel.plan_cli import load_plan
     from automodel.planning.depth import shallow_depths
-    from automodel.planning.load import load_plan
     from automodel.planning.plan import rank_classes, simulate_classes
 
     cfg, _ = load_plan(overrides)
@@ -60,8 +60,8 @@ def test_a_pipeline_keeping_its_layers_gathered_is_cut_to_one_and_two_layers():
     stage the line is exact (interleaved, 4 stages of 8 layers, TP 2 + SP, two sequences per
     micro-batch, full AC, small shards); with reshard_after_forward=true the job keeps the
     pair of 4 and 5."""
+    from automodel.plan_cli import load_plan
     from automodel.planning.depth import shallow_depths
-    from automodel.planning.load import load_plan
 
     _shallow_equals_full(["model.config.num_hidden_layers=32", "parallelism=fsdp2",
                           "mesh.dp_size=64", "mesh.tp_size=2", "mesh.pp_size=2",

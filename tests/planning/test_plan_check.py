@@ -1,5 +1,5 @@
-"""The plan beside the run (``trainer.plan_check_steps``; automodel/launch/plan_first.py,
-automodel/tracking/plan_check.py, automodel/planning/calibrate.py): a planned run measures what
+"""The plan beside the run (``trainer.plan_check_steps``; automodel/prepare/plan_first.py,
+automodel/tracking/plan_check.py, automodel/costing/calibrate.py): a planned run measures what
 its plan predicted, and ``plan.calibrate_from`` plans with what it measured.
 
 Real runs of 2 CPU ranks under the default bf16 policy (train.py, a pipeline of two rank
@@ -72,7 +72,8 @@ def test_a_planned_run_compares_itself_with_its_plan_and_calibrates_the_next(tmp
 
 @pytest.mark.fast
 def test_plan_check_keys_are_checked_and_outer_launchers_need_a_plan(tmp_path):
-    from automodel.launch.plan_first import auto_check_overrides, ensure_plan
+    from automodel.prepare.auto_layout import auto_check_overrides
+    from automodel.prepare.plan_first import ensure_plan
 
     with pytest.raises(ConfigError, match=r"trainer.plan_check_steps=2: 0 \(off\) or 3"):
         load_config(["trainer.plan_check_steps=2"])
@@ -93,8 +94,8 @@ def test_plan_check_keys_are_checked_and_outer_launchers_need_a_plan(tmp_path):
 
 @pytest.mark.fast
 def test_calibration_fits_compute_then_communication(tmp_path):
-    from automodel.planning.calibrate import fit_calibration, predicted_step, read_calibration
-    from automodel.planning.gpus import profile
+    from automodel.costing.calibrate import fit_calibration, predicted_step, read_calibration
+    from automodel.costing.gpus import profile
 
     check = {"gpu": profile("h100_80gb").as_dict(), "calibration": {}, "bubble": 0.0,
              "sizes": {"tp": 8}, "step_time_s": None,
@@ -117,7 +118,7 @@ def test_calibration_fits_compute_then_communication(tmp_path):
 
 @pytest.mark.fast
 def test_slurm_gpu_nodes_are_planned_on_their_gres_type():
-    from automodel.launch.device_profiles import gres_profile
+    from automodel.prepare.device_profiles import gres_profile
 
     h100 = gres_profile("gpu:h100:8(S:0-1)", 8)
     assert (h100.name, h100.gpus_per_node) == ("h100_80gb", 8)
@@ -134,7 +135,7 @@ def test_the_plan_takes_the_optimizer_path_of_the_device():
     (the square roots of the second moments) than the CPU's one parameter at a time."""
     import dataclasses
 
-    from automodel.planning.gpus import profile
+    from automodel.costing.gpus import profile
     from automodel.planning.plan import device_path, simulate_configs
 
     cfg = load_config(["distributed.nproc_per_node=2", "trainer.seq_len=8",

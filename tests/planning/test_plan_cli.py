@@ -146,8 +146,8 @@ def test_make_plan_refuses_before_simulating(tmp_path, monkeypatch):
     """``make_plan`` refuses what cannot be simulated before it starts a worker."""
     from automodel.api import load_config
     from automodel.config.build import ConfigError
+    from automodel.costing.gpus import profile
     from automodel.planning import plan as plan_module
-    from automodel.planning.gpus import profile
 
     def no_simulation(*args, **kwargs):
         raise AssertionError("a simulation started")
@@ -216,7 +216,7 @@ def test_the_plan_takes_the_jobs_size_as_train_py_does():
     from automodel.config.build import ConfigError
     from automodel.config.plan_schema import PlanConfig
     from automodel.config.resolve import resolve
-    from automodel.planning.cli import planning_env
+    from automodel.planning.job_env import planning_env
 
     none = PlanConfig()
     assert planning_env(PlanConfig(gpus=8), None)["WORLD_SIZE"] == "8"

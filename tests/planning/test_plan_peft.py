@@ -5,7 +5,7 @@ only, and the backward skips the frozen weights' gradient matmuls."""
 import pytest
 
 from automodel.api import load_config
-from automodel.planning.gpus import profile
+from automodel.costing.gpus import profile
 from automodel.planning.plan import make_plan
 
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from automodel.costing.gpus import profile
 from automodel.planning.candidates import Candidate, candidates
-from automodel.planning.gpus import profile
 from automodel.planning.probes import (
     PROBE_DEPTHS,
     LayerCosts,

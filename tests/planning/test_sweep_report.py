@@ -1,12 +1,12 @@
-"""The sweep report (``python -m automodel.planning.sweep_report``) from a real local sweep."""
+"""The sweep report (``python -m automodel.sweep_report``) from a real local sweep."""
 
 import json
 
 import pytest
 
+from automodel import sweep_report
 from automodel.config.build import ConfigError
-from automodel.planning import sweep_report
-from automodel.planning.gpus import profile
+from automodel.costing.gpus import profile
 from tests.cli.test_cli import QUICK, run
 
 

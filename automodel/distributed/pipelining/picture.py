@@ -3,7 +3,7 @@
     python -m automodel.distributed.pipelining.picture --schedule 1f1b --pp-size 4 \
         --microbatches 8 --out schedule.png
 
-The timeline is ``automodel/planning/bubble.py``'s (the one home of the rule): the torch
+The timeline is ``bubble.py``'s (the one home of the rule): the torch
 schedule a run builds for that schedule name, its lowered action list, each action placed
 as early as its inputs allow, with costs F = I = W = 1 unit and a full backward B = 2 (see
 that module's docstring). A unit is one *stage's* forward, so with v stages per rank it is
@@ -18,10 +18,10 @@ import argparse
 import sys
 
 from automodel.config.schema import PipelineConfig
+from automodel.distributed.pipelining import bubble
+from automodel.distributed.pipelining.bubble import DEFAULT_WEIGHTS as DURATIONS
+from automodel.distributed.pipelining.bubble import Block, Timeline
 from automodel.distributed.pipelining.schedule import SCHEDULES, schedule_spec
-from automodel.planning import bubble
-from automodel.planning.bubble import DEFAULT_WEIGHTS as DURATIONS
-from automodel.planning.bubble import Block, Timeline
 
 KIND_NAMES = {"F": "forward", "B": "backward (full)", "I": "backward (input grad)",
               "W": "backward (weight grad)"}

@@ -62,7 +62,7 @@ def stage_layout(pipeline, pp_size: int, num_layers: int | None = None
     """(total stage count, each pp rank's stage indices) for the pipeline config: the CSV's
     rows, else one stage per entry of ``module_fqns_per_model_part``, else ``count_stages``
     (``num_layers`` is read only with ``layers_per_stage``). The run (``stages.split_model``)
-    and the planner (``planning/bubble.py``) both place stages with it."""
+    and the planner (``distributed/pipelining/bubble.py``) both place stages with it."""
     if pipeline.pp_schedule_csv is not None:  # the CSV says which stages each rank runs
         layout = read_csv_layout(pipeline.pp_schedule_csv)
         return layout.num_stages, layout.stages_by_rank
@@ -92,7 +92,7 @@ def make_schedule(stages: list, pipeline, n_microbatches: int, **kwargs):
     """The torch schedule automodel runs for the pipeline config, over this rank's stages
     (``PipelineStage`` objects, in ``stage_layout`` order); ``kwargs`` (``loss_fn``, ...) go
     to its constructor. One home for config -> schedule class and arguments: the run
-    (``stages.build_schedule``) and the planner (``planning/bubble.py``) both build with it."""
+    (``stages.build_schedule``) and the planner (``bubble.py``) both build with it."""
     kwargs = dict(n_microbatches=n_microbatches, scale_grads=pipeline.scale_grads_in_schedule,
                   **kwargs)
     if pipeline.pp_schedule_csv is not None:

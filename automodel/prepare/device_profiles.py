@@ -15,7 +15,7 @@ from automodel.config.resolve import TrainConfig
 
 def cpu_profile(ranks: int):
     """The profile of CPU ranks: the host's memory shared by them, one node; rough speeds."""
-    from automodel.planning.gpus import GiB, GpuProfile
+    from automodel.costing.gpus import GiB, GpuProfile
 
     return GpuProfile("cpu", peak_bf16_flops=1e11, hbm_bytes=_host_memory() // ranks,
                       hbm_bandwidth=2e10, intra_node_bandwidth=2e9, inter_node_bandwidth=1e9,
@@ -36,7 +36,7 @@ GPU_PROFILES = (("H200", "h200"), ("H100", "h100_80gb"), ("A100", "a100_80gb"),
 
 def gpu_profile(ranks: int):
     """The local GPUs' profile, from ``nvidia-smi``'s name and memory."""
-    from automodel.planning.gpus import MiB, profile
+    from automodel.costing.gpus import MiB, profile
 
     out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total",
                           "--format=csv,noheader,nounits"], capture_output=True, text=True)
@@ -59,7 +59,7 @@ def slurm_profile(partition: str | None, tasks_per_node: int):
     """The ranks of a SLURM job on ``partition``'s nodes (``sinfo``; None: the default
     partition): their GPUs' profile (the GRES's GPU type), else the node's memory shared by
     its tasks."""
-    from automodel.planning.gpus import MiB
+    from automodel.costing.gpus import MiB
 
     args = ["sinfo", "-h", "-o", "%P|%G|%m"] + (["-p", partition] if partition else [])
     lines = [line.split("|") for line in
@@ -78,7 +78,7 @@ def slurm_profile(partition: str | None, tasks_per_node: int):
 def gres_profile(gres: str, tasks_per_node: int):
     """The GPU profile of a node's GRES as sinfo prints it (``gpu:h100:8(S:0-1)``,
     ``gpu:a100_80gb:4``): its type names the profile, its tasks the GPUs per node."""
-    from automodel.planning.gpus import profile
+    from automodel.costing.gpus import profile
 
     for entry in gres.split(","):
         parts = entry.split("(")[0].split(":")

@@ -1,5 +1,5 @@
 """A Hydra sweep's measurements beside the plan's predictions:
-``python -m automodel.planning.sweep_report SWEEP_DIR [--gpu PROFILE] [--calibrate JOB]``.
+``python -m automodel.sweep_report SWEEP_DIR [--gpu PROFILE] [--calibrate JOB]``.
 
 Each job folder of ``python train.py -m ...`` (``<sweep>/<job number>/`` with
 ``.hydra/overrides.yaml`` and ``metrics.jsonl``) is planned from its own recorded overrides,
@@ -92,10 +92,10 @@ def measurements(records: list[dict]) -> dict:
 def resolve_job(job: dict, planned: bool = True):
     """The job's ``TrainConfig`` as ``plan.py`` resolves it with ``plan.gpus`` = the ranks
     the job ran on (``planned=False``: as a launch here would), the model's layout checked."""
+    from automodel.checks.preflight import check_model_layout
     from automodel.config.compose import load_config
     from automodel.config.plan_schema import PlanConfig
-    from automodel.launch.preflight import check_model_layout
-    from automodel.planning.cli import planning_env
+    from automodel.planning.job_env import planning_env
 
     if planned and not job["world_size"]:
         raise ConfigError("its ranks are unknown: no start line in train.log ('... on N "
@@ -124,8 +124,8 @@ def calibrated_efficiency(plan: dict, tokens_per_s: float, profile) -> float:
     """The ``compute_efficiency`` at which ``plan``'s job runs at the measured
     ``tokens_per_s`` on ``profile`` (the rest of the cost model as it is): bisection, as the
     step time falls when the efficiency rises."""
-    from automodel.planning import cost
-    from automodel.planning.calibrate import bisect_efficiency, predicted_step
+    from automodel.costing import cost
+    from automodel.costing.calibrate import bisect_efficiency, predicted_step
 
     check = {"gpu": profile.as_dict(), "calibration": plan["calibration"],
              "bubble": plan["bubble"], "sizes": cost.mesh_sizes(plan["layout"]),
@@ -176,7 +176,7 @@ def plan_jobs(jobs: list[dict], profile, calibrate: int | None = None,
 def report(sweep_dir: str, gpu: str | None = None, gpu_spec: dict | None = None,
            calibrate: int | None = None, workers: int | None = None) -> dict:
     """The sweep report (``sweep_report.json``'s content; ``picture.draw_sweep`` draws it)."""
-    from automodel.planning.gpus import profile
+    from automodel.costing.gpus import profile
 
     jobs = read_sweep(sweep_dir)
     prof = profile(gpu or "h100_80gb", **(gpu_spec or {}))
@@ -332,7 +332,7 @@ def write_report(rep: dict, out: str) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m automodel.planning.sweep_report",
+        prog="python -m automodel.sweep_report",
         description="A train.py -m sweep's measured peak memory and tokens/s beside the plan's.")
     parser.add_argument("sweep_dir", help="the sweep's folder (multirun/<date>/<time>)")
     parser.add_argument("--gpu", help="GPU profile for predicted times (default: times shown "

@@ -28,13 +28,25 @@ from pathlib import Path
 
 from automodel.config.build import ConfigError
 from automodel.config.resolve import TrainConfig
-from automodel.launch.device_profiles import local_profile, slurm_profile
+from automodel.prepare.device_profiles import local_profile, slurm_profile
 
 log = logging.getLogger("automodel")
 
 SCHEDULES = ("none", "1f1b", "interleaved")  # the pipelines a search tries
 # the keys that fix the whole layout: with all of them set, layout=auto has nothing to choose
 FIXING = ("tp", "pp", "dp", "schedule", "ac", "mbs")
+
+
+AUTO_CHECK_STEPS = 10  # layout=auto's default trainer.plan_check_steps
+
+
+def auto_check_overrides(cfg: TrainConfig) -> list[str]:
+    """The ``trainer.plan_check_steps`` a ``layout=auto`` job runs with (the user's, else
+    ``AUTO_CHECK_STEPS`` within its steps; fewer than 3 steps: off)."""
+    if any(o.lstrip("+").startswith("trainer.plan_check_steps=") for o in cfg.overrides):
+        return []
+    steps = min(AUTO_CHECK_STEPS, cfg.trainer.max_steps)
+    return [f"trainer.plan_check_steps={steps if steps >= 3 else 0}"]
 
 
 def bounds_of(overrides: list[str]) -> dict:
@@ -91,8 +103,6 @@ def choose_layout(cfg: TrainConfig, compose_and_resolve) -> TrainConfig:
                           "The search runs once, before the ranks start: launch with python "
                           "train.py (local ranks) or python train.py -m hydra/launcher=slurm; "
                           "or plan.py plan.search=true and set the layout")
-    from automodel.launch.plan_first import auto_check_overrides
-
     world = cfg.layout.world_size
     gpu = local_profile(cfg)
     base = _base(cfg.overrides) + auto_check_overrides(cfg)
@@ -105,7 +115,7 @@ def choose_layout(cfg: TrainConfig, compose_and_resolve) -> TrainConfig:
 
 def _base(overrides: list[str]) -> list[str]:
     """The job's own overrides: without the layout keys and ``layout=`` itself."""
-    from automodel.planning.cli import without_keys
+    from automodel.planning.job_env import without_keys
     from automodel.planning.probes import LAYOUT_KEYS
 
     return [o for o in without_keys(overrides, LAYOUT_KEYS)
@@ -115,7 +125,7 @@ def _base(overrides: list[str]) -> list[str]:
 def search_and_choose(cfg: TrainConfig, base: list[str], world: int, gpu) -> tuple:
     """(the search's result, the chosen layout's estimate) of ``cfg``'s job on ``world``
     devices of ``gpu``, within the layout keys of its overrides."""
-    from automodel.planning.cli import without_keys
+    from automodel.planning.job_env import without_keys
     from automodel.planning.probes import LAYOUT_KEYS
 
     keys = [o for o in cfg.overrides if o not in without_keys(cfg.overrides, LAYOUT_KEYS)]
@@ -131,8 +141,6 @@ def slurm_layout(cfg: TrainConfig, nodes: int, tasks_per_node: int, output_dir: 
     search chooses for ``nodes`` x ``tasks_per_node`` ranks (``slurm_profile``: the nodes'
     GPUs, else their memory), to append to the job's own (``layout=manual`` last, so
     its tasks do not search again); ``search.json`` and ``plan.json`` in ``output_dir``."""
-    from automodel.launch.plan_first import auto_check_overrides
-
     world = nodes * tasks_per_node
     gpu = slurm_profile(partition, tasks_per_node)
     check = auto_check_overrides(cfg)
@@ -145,8 +153,8 @@ def slurm_layout(cfg: TrainConfig, nodes: int, tasks_per_node: int, output_dir: 
 def _search(cfg: TrainConfig, base: list[str], bounds: dict, world: int, gpu) -> dict:
     """The search's result, from the cache when the same search ran before."""
     from automodel.config.plan_schema import PlanConfig
-    from automodel.launch.admission import Admission
     from automodel.planning.search import _resolve, search_layouts
+    from automodel.prepare.admission import Admission
 
     train = _resolve([o for o in base if not o.startswith("distributed.nproc_per_node=")]
                      + ["mesh.dp_size=1", "layout=manual"])
@@ -160,7 +168,7 @@ def _search(cfg: TrainConfig, base: list[str], bounds: dict, world: int, gpu) ->
         return result
     from omegaconf import OmegaConf
 
-    from automodel.planning.cli import start_simulation_server
+    from automodel.planning.job_env import start_simulation_server
 
     # (the probes' workers, and later the ranks, fork from it)
     start_simulation_server(OmegaConf.create({"model": {"config": dict(train.model.config)}}))

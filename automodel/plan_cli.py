@@ -1,5 +1,7 @@
-"""Glue between ``plan.py`` (Hydra) and the planner: the training config resolved for the
-job's world size, the plan (or the search) made, ``plan.json`` and ``plan.png`` written."""
+"""``plan.py``'s command line (an entry point: nothing in ``automodel`` imports it): the training
+config resolved for the job's world size and checked as a launch would check it, the plan (or
+the search) made, ``plan.json`` and ``plan.png`` written; ``load_plan`` does the same from a
+list of overrides, for tests and scripts."""
 
 from __future__ import annotations
 
@@ -7,16 +9,18 @@ import json
 import logging
 import os
 import sys
+from types import SimpleNamespace
 
 from automodel.config.build import ConfigError, build
 from automodel.config.plan_schema import PlanConfig
+from automodel.planning.job_env import planning_env, start_simulation_server, without_keys
 
 log = logging.getLogger("automodel.plan")
 
 
 def run_plan(cfg, admission=None):
     """plan.py's job; ``admission``: what a search asks of each candidate before launch
-    (``launch.admission.Admission``, given by the entry point)."""
+    (``prepare.admission.Admission``, given by the entry point)."""
     from hydra.core.hydra_config import HydraConfig
 
     from automodel.planning.plan import SimulationError
@@ -42,58 +46,11 @@ def split_plan_node(cfg):
     return train, plan
 
 
-def planning_env(plan: PlanConfig, mesh_dp_size, nproc_per_node=None, env=None) -> dict:
-    """The environment the config is resolved in: as if ``torchrun`` had started the job's
-    ranks (the layout then fills the data-parallel degree), or a plain launch of the mesh's
-    ranks; never this machine's GPUs. The job's size, as train.py takes it: ``plan.gpus``;
-    else the mesh's own (``mesh.dp_size``) or the local ranks (``distributed.nproc_per_node``);
-    else the ranks of the SLURM allocation or the torchrun world this runs in."""
-    if plan.gpus is not None:
-        if plan.gpus < 1:
-            raise ConfigError(f"plan.gpus={plan.gpus}: the job's GPUs must be >= 1; set "
-                              "plan.gpus=<GPUs>, or null to plan the mesh's ranks")
-        return _world_env(plan.gpus, plan.gpus)
-    if mesh_dp_size is not None or nproc_per_node is not None:
-        return {"CUDA_VISIBLE_DEVICES": ""}
-    found = _outer_world(os.environ if env is None else env)
-    if found is None:
-        raise ConfigError("plan.py needs the job's size: set plan.gpus=<GPUs> (the mesh's "
-                          "data-parallel degree is then inferred), distributed.nproc_per_node "
-                          "(local ranks) or mesh.dp_size, or run it inside the SLURM "
-                          "allocation or torchrun job it plans")
-    return _world_env(*found)
-
-
-def _world_env(world: int, per_node: int) -> dict:
-    return {"TORCHELASTIC_RUN_ID": "plan", "WORLD_SIZE": str(world),
-            "LOCAL_WORLD_SIZE": str(per_node), "RANK": "0", "CUDA_VISIBLE_DEVICES": ""}
-
-
-def _outer_world(env) -> tuple[int, int] | None:
-    """(ranks, ranks per node) of the SLURM allocation (its tasks) or torchrun job this runs
-    in, or None."""
-    if env.get("SLURM_JOB_ID") and env.get("SLURM_NTASKS"):
-        from automodel.config.slurm_env import expand_tasks_per_node
-
-        per_node = expand_tasks_per_node(env.get("SLURM_TASKS_PER_NODE",
-                                                 env["SLURM_NTASKS"]))
-        return int(env["SLURM_NTASKS"]), max(per_node)
-    if env.get("WORLD_SIZE"):
-        return int(env["WORLD_SIZE"]), int(env.get("LOCAL_WORLD_SIZE") or env["WORLD_SIZE"])
-    return None
-
-
-def without_keys(overrides: list[str], prefixes: tuple) -> list[str]:
-    """``overrides`` without those whose key starts with one of ``prefixes`` (``+``/``~``
-    forms too): the keys a plan, a probe or a searched layout sets itself."""
-    return [o for o in overrides if not o.lstrip("+~").startswith(prefixes)]
-
-
 def resolve_for_plan(cfg, hc, plan: PlanConfig, output_dir: str):
     """The ``TrainConfig`` of the job planned, checked as a launch would check it (the
     model's layout: TP plan, pipeline split, context-parallel split), without reading data."""
+    from automodel.checks.preflight import check_model_layout
     from automodel.config.resolve import resolve
-    from automodel.launch.preflight import check_model_layout
 
     overrides = without_keys(list(hc.overrides.task), ("plan.",))
     env = planning_env(plan, cfg.mesh.dp_size, cfg.distributed.nproc_per_node)
@@ -115,7 +72,7 @@ def resolve_for_plan(cfg, hc, plan: PlanConfig, output_dir: str):
 
 def _run(cfg, hc, admission=None):
     from automodel.compat import check_planning_compat
-    from automodel.planning.gpus import profile
+    from automodel.costing.gpus import profile
     from automodel.planning.supported import check_plannable
 
     train_cfg, plan_cfg = split_plan_node(cfg)
@@ -147,8 +104,8 @@ def calibrated(plan_cfg: PlanConfig, overrides: list[str]) -> tuple:
     run's device and its fitted efficiencies, under the keys of ``plan.calibration``."""
     import dataclasses
 
-    from automodel.planning.calibrate import read_calibration
-    from automodel.planning.gpus import GpuProfile
+    from automodel.costing.calibrate import read_calibration
+    from automodel.costing.gpus import GpuProfile
 
     device, fitted = read_calibration(plan_cfg.calibrate_from)
     named = [o for o in overrides if o.lstrip("+").startswith(("plan.gpu=", "plan.gpu_spec"))]
@@ -162,23 +119,6 @@ def calibrated(plan_cfg: PlanConfig, overrides: list[str]) -> tuple:
              device["name"], ", ".join(f"{k}={v:.3g}" for k, v in calibration.items()
                                       if isinstance(v, float)))
     return GpuProfile(**device), dataclasses.replace(plan_cfg, calibration=calibration)
-
-
-# What a simulation worker imports beyond the fork server's own list (automodel/launch)
-SIMULATION_PRELOAD = ("automodel.planning.plan", "automodel.planning.simulate",
-                      "automodel.recipes.pipeline_step", "torch.distributed.pipelining")
-
-
-def start_simulation_server(cfg) -> None:
-    """Start the fork server that the simulation workers are forked from now, with what they
-    import (torch, transformers, the planner, the model's modeling file) preloaded: its
-    imports then run beside the config checks instead of before the first simulation, and no
-    worker imports anything again."""
-    from automodel.launch import forkserver
-
-    model_type = str((cfg.model.get("config") or {}).get("model_type") or "").replace("-", "_")
-    modeling = (f"transformers.models.{model_type}.modeling_{model_type}",) if model_type else ()
-    forkserver.context(SIMULATION_PRELOAD + modeling)
 
 
 def write_plan(plan: dict, out: str, picture: bool = True) -> str:
@@ -217,3 +157,28 @@ def summary(plan: dict) -> str:
     lines.append(f"  run it: {plan['command']}")
     return "\n".join(lines)
 
+
+def load_plan(overrides: list[str], output_dir: str = "."):
+    """(the job's ``TrainConfig``, the ``PlanConfig``) of ``python plan.py <overrides>``;
+    raises ``ConfigError`` where plan.py would refuse. Nothing is simulated."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import OmegaConf
+
+    from automodel.config.cli_check import check_choice_overrides
+    from automodel.config.compose import CONF_DIR
+    from automodel.config.store import register_schemas
+
+    register_schemas()
+    check_choice_overrides(list(overrides))
+    if GlobalHydra.instance().is_initialized():
+        cfg = compose(config_name="plan", overrides=list(overrides), return_hydra_config=True)
+    else:
+        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+            cfg = compose(config_name="plan", overrides=list(overrides),
+                          return_hydra_config=True)
+    choices = OmegaConf.to_container(cfg.hydra.runtime.choices)
+    hc = SimpleNamespace(overrides=SimpleNamespace(task=list(overrides)),
+                         runtime=SimpleNamespace(choices=choices))
+    train_cfg, plan = split_plan_node(cfg)
+    return resolve_for_plan(train_cfg, hc, plan, output_dir), plan

@@ -21,7 +21,7 @@ import sys
 from multiprocessing import forkserver
 
 # Imported by the server before it forks any rank (a rank then finds them in sys.modules).
-PRELOAD = ["automodel.launch.forkserver", "automodel.recipes.train", "transformers",
+PRELOAD = ["automodel.runtime.forkserver", "automodel.recipes.train", "transformers",
            "transformers.models.auto.modeling_auto"]
 
 # The environment this module was imported with: in a forked rank, the server's environment.
@@ -36,11 +36,11 @@ _RANK_VARIABLES = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROU
 
 def context(extra_preload: tuple = ()) -> multiprocessing.context.BaseContext:
     """The fork-server context, its server set to preload ``PRELOAD``, ``extra_preload`` and
-    last ``automodel.launch.preloaded`` (what every rank imports, then ``gc.freeze()``). The
+    last ``automodel.runtime.preloaded`` (what every rank imports, then ``gc.freeze()``). The
     preload list takes effect when the server starts: once per launching process; a module
     that cannot be imported is skipped."""
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload([*PRELOAD, *extra_preload, "automodel.launch.preloaded"])
+    ctx.set_forkserver_preload([*PRELOAD, *extra_preload, "automodel.runtime.preloaded"])
     _start_server()
     return ctx
 

@@ -55,7 +55,7 @@ class Admission:
         return self._probes[key]
 
     def _refusal(self, overrides: list[str]) -> str | None:
-        from automodel.launch.preflight import LAYOUT_CHECKS
+        from automodel.checks.preflight import LAYOUT_CHECKS
 
         try:
             cfg = self._resolve(overrides)

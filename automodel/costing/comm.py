@@ -80,7 +80,7 @@ class CommCounter:
             return
         if name not in _OPS:
             raise NotImplementedError(f"the planner does not know how to size {func}: add it "
-                                      "to automodel/planning/comm.py")
+                                      "to automodel/costing/comm.py")
         kind, where = _OPS[name]
         self._add(func, args, kind, tensor_bytes(out if where == "out" else args[where]))
 

@@ -3,7 +3,7 @@ sizes, the pipeline bubble, a ``GpuProfile``), seconds out. Torch-free; stated i
 docs/planning.md ("Cost model").
 
 - compute: ``flops / (peak_bf16_flops * compute_efficiency)``;
-- a collective of ``B`` bytes (this rank's tensor, as ``planning/comm.py`` counts it) over the
+- a collective of ``B`` bytes (this rank's tensor, as ``costing/comm.py`` counts it) over the
   ``n`` ranks of an axis, at bus bandwidth ``bw`` (the link's, times ``comm_efficiency``; NVLink
   when the axis stays inside a node, the network otherwise): ring all-gather, reduce-scatter
   and all-to-all ``(n-1)/n * B / bw``, all-reduce ``2(n-1)/n * B / bw``, broadcast, send and
@@ -22,7 +22,7 @@ from typing import Iterable, Mapping
 from automodel.config import layout as layout_axes
 from automodel.config.build import ConfigError
 from automodel.config.layout import BASE_AXES, FLATTENED
-from automodel.planning.gpus import GpuProfile
+from automodel.costing.gpus import GpuProfile
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send", "recv",
          "broadcast")

@@ -13,10 +13,10 @@ import dataclasses
 import logging
 from typing import Union
 
+from automodel.checks.fake_step import check_fake_step
+from automodel.checks.support import check_runtime_support
 from automodel.config.build import ConfigError
 from automodel.config.resolve import TrainConfig
-from automodel.launch.fake_step import check_fake_step
-from automodel.launch.support import check_runtime_support
 
 log = logging.getLogger(__name__)
 
@@ -322,7 +322,7 @@ def _check_whole(key: str, path: str) -> None:
 def warn_split_axes(cfg: TrainConfig) -> None:
     """On several nodes (ranks filling a node before the next), warn from rank 0, and from a
     submitter, when a group of tp, cp or HSDP's dp_shard would span nodes."""
-    from automodel.launch.nodes import blocks, split_axes_warning
+    from automodel.config.nodes import blocks, split_axes_warning
 
     launch = cfg.launch
     world, per_node = launch.world_size, launch.local_world_size
@@ -334,7 +334,7 @@ def warn_split_axes(cfg: TrainConfig) -> None:
 
 
 # the checks whose verdict depends on the layout, given the model built on the meta device:
-# what a search asks of each candidate (``launch/admission.py``)
+# what a search asks of each candidate (``prepare/admission.py``)
 LAYOUT_CHECKS = (check_model_layout, check_adapters)
 
 PREFLIGHT_CHECKS = (

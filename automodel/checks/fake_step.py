@@ -33,9 +33,9 @@ import signal
 import threading
 import time
 
+from automodel.checks.step_refusal import casts_parameters, not_the_layout, refusal
 from automodel.config.build import ConfigError
 from automodel.config.resolve import TrainConfig
-from automodel.launch.step_refusal import casts_parameters, not_the_layout, refusal
 
 log = logging.getLogger(__name__)
 
@@ -198,7 +198,7 @@ def _root_cause(err: BaseException) -> BaseException:
 def _fails_alone(cfg: TrainConfig) -> bool:
     """Whether the step also fails in one process without parallelism (same model, options
     and batch shapes); False where that step cannot be run here."""
-    from automodel.launch.step_refusal import one_process
+    from automodel.checks.step_refusal import one_process
     from automodel.planning.fake import ModuleFailed
     from automodel.planning.plan import rank_classes
     from automodel.planning.simulate import fake_step

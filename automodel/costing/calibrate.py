@@ -16,8 +16,8 @@ import json
 import os
 
 from automodel.config.build import ConfigError
-from automodel.planning import cost
-from automodel.planning.gpus import GpuProfile
+from automodel.costing import cost
+from automodel.costing.gpus import GpuProfile
 
 CHECK_FILE = "plan_check.json"  # the run's record, beside plan.json
 _RANK_KEYS = ("name", "example_rank", "count", "stages", "peak_bytes", "flops",

@@ -2,7 +2,8 @@
 themselves with (``trainer.plan_check_steps``; ``tracking/plan_check.py`` measures).
 
 - ``layout=auto``: the search's plan of the chosen layout is the run's (``auto_layout``);
-  the check is on unless the user set ``trainer.plan_check_steps`` (``auto_check_overrides``).
+  the check is on unless the user set ``trainer.plan_check_steps``
+  (``auto_layout.auto_check_overrides``).
 - A manual layout with ``trainer.plan_check_steps=N``: the launching process (``python
   train.py``'s local launch, or the SLURM submitter) plans the job on the device profile of
   the ranks it starts, and writes ``plan.json`` beside the run.
@@ -21,18 +22,6 @@ from automodel.config.resolve import TrainConfig
 
 log = logging.getLogger("automodel")
 
-AUTO_CHECK_STEPS = 10  # layout=auto's default trainer.plan_check_steps
-
-
-def auto_check_overrides(cfg: TrainConfig) -> list[str]:
-    """The ``trainer.plan_check_steps`` a ``layout=auto`` job runs with (the user's, else
-    ``AUTO_CHECK_STEPS`` within its steps; fewer than 3 steps: off)."""
-    if any(o.lstrip("+").startswith("trainer.plan_check_steps=") for o in cfg.overrides):
-        return []
-    steps = min(AUTO_CHECK_STEPS, cfg.trainer.max_steps)
-    return [f"trainer.plan_check_steps={steps if steps >= 3 else 0}"]
-
-
 def ensure_plan(cfg: TrainConfig) -> None:
     """Before the ranks of a manual layout with ``trainer.plan_check_steps`` start: plan the
     job here (a local launch), or check that its plan lies beside the run (ranks an outer
@@ -48,7 +37,7 @@ def ensure_plan(cfg: TrainConfig) -> None:
                 "train.py (local ranks) or python train.py -m hydra/launcher=slurm, or set "
                 "trainer.plan_check_steps=0")
         return
-    from automodel.launch.device_profiles import local_profile
+    from automodel.prepare.device_profiles import local_profile
 
     plan_job(cfg, local_profile(cfg))
 
@@ -60,11 +49,11 @@ def plan_at_submit(job: TrainConfig, nodes: int, tasks_per_node: int,
     to compose), or a job that checks its plan planned on the nodes' profile (returns []);
     ``plan.json`` in the job's output directory either way."""
     if job.layout_mode == "auto":
-        from automodel.launch.auto_layout import slurm_layout
+        from automodel.prepare.auto_layout import slurm_layout
 
         return slurm_layout(job, nodes, tasks_per_node, job.output_dir, partition)
     if job.trainer.plan_check_steps:
-        from automodel.launch.device_profiles import slurm_profile
+        from automodel.prepare.device_profiles import slurm_profile
 
         plan_job(job, slurm_profile(partition, tasks_per_node))
     return []
@@ -73,7 +62,7 @@ def plan_at_submit(job: TrainConfig, nodes: int, tasks_per_node: int,
 def plan_job(cfg: TrainConfig, profile) -> dict:
     """``cfg``'s job planned on ``profile``; ``plan.json`` (with its check entry) written
     beside the run."""
-    from automodel.planning.calibrate import check_entry
+    from automodel.costing.calibrate import check_entry
     from automodel.planning.plan import make_plan, spelled_overrides
     from automodel.planning.search import _resolve
     from automodel.planning.supported import check_plannable
