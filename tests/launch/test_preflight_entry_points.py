@@ -112,8 +112,8 @@ def test_submit_time_gpus_reach_the_runtime_check(monkeypatch):
     for one that asks for some or whose GPUs are unknown, and is refused on this CPU machine
     when it would run here. (Only the first check, the runtime's, runs: the model and data
     checks are tested with their own options.) The submitter's torch is taken for a CUDA
-    build (mocked: this machine's is a CPU build, which is refused for a job with GPUs:
-    tests/launch/test_slurm_env.py)."""
+    build, then a CPU build (mocked both ways: which one is installed here depends on the
+    install; a CPU build is refused for a job with GPUs: tests/launch/test_slurm_env.py)."""
     import automodel.checks.preflight as pf
     from automodel.api import load_config
     from automodel.checks.preflight import preflight
@@ -126,8 +126,10 @@ def test_submit_time_gpus_reach_the_runtime_check(monkeypatch):
     with monkeypatch.context() as cuda:
         cuda.setattr("automodel.checks.support.torch_build", lambda: ("2.13.0+cu128", True))
         preflight(cfg, gpus=2)
-    with pytest.raises(ConfigError, match="is a CPU build"):  # this machine's torch
-        preflight(cfg, gpus=2)
+    with monkeypatch.context() as cpu:  # (setup.sh's build here; newest.sh's is a CUDA one)
+        cpu.setattr("automodel.checks.support.torch_build", lambda: ("2.13.0+cpu", False))
+        with pytest.raises(ConfigError, match="is a CPU build"):
+            preflight(cfg, gpus=2)
     preflight(cfg, gpus=None)
     for gpus in ({"gpus": 0}, {}):
         with pytest.raises(ConfigError, match="runs on NVIDIA GPUs only"):

@@ -141,8 +141,10 @@ def _preflight(env, tmp_path, *extra):
 
 
 def test_a_cpu_build_of_torch_on_a_gpu_node_is_refused_before_training(tmp_path, monkeypatch):
-    """This machine's torch is the CPU build (the case itself); the GPUs are the node's device
-    files (the probe the tests patch) or SLURM's allocation, with no device file here."""
+    """The GPUs are the node's device files (the probe the tests patch) or SLURM's allocation,
+    with no device file here. The build is taken for a CPU build (the one setup.sh installs
+    here; the drift run of scripts/newest.sh installs PyPI's CUDA build, also on this CPU)."""
+    monkeypatch.setattr("automodel.checks.support.torch_build", lambda: ("2.13.0+cpu", False))
     fix = r"AUTOMODEL_TORCH=cuda bash scripts/setup\.sh"
     with pytest.raises(ConfigError, match=r"\(8 given by SLURM .*\) but the installed torch "
                                           rf".* is a CPU build.*{fix}"):
