@@ -184,7 +184,6 @@ def test_the_scan_finds_a_scattered_patch(tmp_path):
         "import torch._inductor.config", "import torch.distributed.tensor._utils"]
 
 
-@pytest.mark.fast
 def test_a_passed_check_is_remembered_per_installation(tmp_path):
     """A fresh process checks in full (it imports torch's compiler stack, transformers' masks)
     and writes the pass down; the next start on the same installation skips those imports."""

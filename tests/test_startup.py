@@ -10,10 +10,10 @@ import pytest
 
 from automodel.startup import without_collections
 
-pytestmark = pytest.mark.fast
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.fast
 def test_no_collection_inside_and_everything_frozen_after():
     collections = []
 

@@ -12,8 +12,8 @@ from automodel.distributed.pipelining import picture
 from automodel.distributed.pipelining.picture import bubble_fraction, draw, schedule_timeline
 from automodel.distributed.pipelining.schedule import SCHEDULES
 
-# fast: no process group (the fixture below refuses one), seconds (pytest -m fast)
-pytestmark = pytest.mark.fast
+# fast: no process group (the fixture below refuses one), seconds (pytest -m fast); the
+# command line's test starts a fresh interpreter that imports torch, so runs in the full tier
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -41,6 +41,7 @@ def _peak_in_flight(timeline):
     return peaks
 
 
+@pytest.mark.fast
 def test_gpipe_bubble_is_textbook():
     # Unit model: F = 1, B = 2. Rank r forwards over [r, r + m); the last rank's backwards
     # run back to back from m + pp - 1, and each earlier rank ends 2 later, so the makespan
@@ -55,6 +56,7 @@ def test_gpipe_bubble_is_textbook():
     assert per_rank == pytest.approx([float(expected)] * pp)
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("durations", [None, {"B": 1}], ids=["B=2F", "B=F"])
 def test_1f1b_same_bubble_as_gpipe_but_bounded_activations(durations):
     pp, m = 4, 8
@@ -68,6 +70,7 @@ def test_1f1b_same_bubble_as_gpipe_but_bounded_activations(durations):
     assert _peak_in_flight(gpipe) == [m] * pp          # GPipe holds all of them
 
 
+@pytest.mark.fast
 def test_interleaved_bubble_shrinks_with_more_microbatches():
     few, many = (bubble_fraction(schedule_timeline("interleaved_1f1b", 4, m))[0]
                  for m in (4, 16))
@@ -106,6 +109,7 @@ def _check_timeline(tl):
                 assert b.start >= ends[("I", b.stage, b.microbatch)]
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("name", list(SCHEDULES))
 def test_every_schedule_draws_a_png_and_runs_each_action_once(name, tmp_path):
     _check_timeline(schedule_timeline(name, 4, 8))
@@ -118,6 +122,7 @@ def test_every_schedule_draws_a_png_and_runs_each_action_once(name, tmp_path):
     assert 0 <= overall < 1 and len(per_rank) == 2
 
 
+@pytest.mark.fast
 def test_invalid_inputs_are_reported_clearly(capsys):
     with pytest.raises(ValueError, match="valid names: 1f1b, gpipe"):
         schedule_timeline("nope", 4, 8)
@@ -143,6 +148,7 @@ def test_cli_prints_the_bubble_fraction(tmp_path):
     assert out.read_bytes()[:8] == PNG_SIGNATURE
 
 
+@pytest.mark.fast
 def test_no_process_group_is_started(tmp_path):
     for name in SCHEDULES:
         tl = schedule_timeline(name, 4, 8)
