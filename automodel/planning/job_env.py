@@ -57,18 +57,33 @@ def without_keys(overrides: list[str], prefixes: tuple) -> list[str]:
     return [o for o in overrides if not o.lstrip("+~").startswith(prefixes)]
 
 
-# What a simulation worker imports beyond the fork server's own list (automodel/launch)
+# What a simulation worker imports beyond the fork server's own list (``runtime/forkserver.py``):
+# the planner, the step it runs and the torch parts it simulates (a second of CPU per worker)
 SIMULATION_PRELOAD = ("automodel.planning.plan", "automodel.planning.simulate",
-                      "automodel.recipes.pipeline_step", "torch.distributed.pipelining")
+                      "automodel.recipes.pipeline_step", "torch.distributed.pipelining",
+                      "torch.distributed.fsdp", "torch.distributed.tensor",
+                      "torch.distributed._tools.mem_tracker",
+                      "torch.distributed._tools.fake_collectives")
+
+
+def simulation_modules(model_type: str | None) -> tuple:
+    """``SIMULATION_PRELOAD`` and the transformers modeling module of ``model_type``: the one
+    list the fork server of the simulations starts with (it takes effect once per process, so
+    whoever starts the server first must name all of it)."""
+    if not model_type:
+        return SIMULATION_PRELOAD
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+
+    name = model_type_to_module_name(model_type)
+    return (*SIMULATION_PRELOAD, f"transformers.models.{name}.modeling_{name}")
 
 
 def start_simulation_server(cfg) -> None:
     """Start the fork server that the simulation workers are forked from now, with what they
     import (torch, transformers, the planner, the model's modeling file) preloaded: its
     imports then run beside the config checks instead of before the first simulation, and no
-    worker imports anything again."""
+    worker imports anything again. ``cfg``: a composed config (its ``model.config``)."""
     from automodel.runtime import forkserver
 
-    model_type = str((cfg.model.get("config") or {}).get("model_type") or "").replace("-", "_")
-    modeling = (f"transformers.models.{model_type}.modeling_{model_type}",) if model_type else ()
-    forkserver.context(SIMULATION_PRELOAD + modeling)
+    model_type = (cfg.model.get("config") or {}).get("model_type")
+    forkserver.context(simulation_modules(str(model_type) if model_type else None))

@@ -18,6 +18,7 @@ from automodel.config.build import ConfigError
 from automodel.config.resolve import TrainConfig
 from automodel.costing import cost
 from automodel.costing.gpus import GpuProfile
+from automodel.planning.job_env import simulation_modules
 from automodel.planning.notes import plan_notes
 from automodel.planning.warnings import plan_warnings
 
@@ -179,20 +180,11 @@ def simulate_configs(configs: list, ranks: list[int], names: list[str] | None = 
     return out
 
 
-# what every simulation imports beyond forkserver.PRELOAD (a second of CPU per worker)
-SIMULATION_PRELOAD = ("automodel.planning.simulate", "torch.distributed.fsdp",
-                      "torch.distributed.tensor", "torch.distributed._tools.mem_tracker",
-                      "torch.distributed._tools.fake_collectives")
-
-
 def simulation_preload(cfg: TrainConfig) -> tuple:
-    """``SIMULATION_PRELOAD`` and the model's transformers modeling module."""
-    from transformers.models.auto.configuration_auto import model_type_to_module_name
-
+    """What a simulation worker of ``cfg``'s model imports (``job_env.simulation_modules``)."""
     from automodel.models.builder import hf_config
 
-    name = model_type_to_module_name(hf_config(cfg.model).model_type)
-    return (*SIMULATION_PRELOAD, f"transformers.models.{name}.modeling_{name}")
+    return simulation_modules(hf_config(cfg.model).model_type)
 
 
 class _TaskFailed(Exception):
