@@ -22,7 +22,8 @@ _CLONE = "peft=qlora under a pipeline (a stage is a copy of the model; the copy 
 
 INTERNALS: list[Internal] = [
     Internal(NF4_MODULE, "NF4_OPS_TABLE", _CLONE, kind=dict),
-    Internal(NF4_MODULE, "construct_nf4_args", _CLONE, patched=False,
+    Internal(NF4_MODULE, "construct_nf4_args", _CLONE + "; peft=qlora on the meta device (a "
+             "weight's NF4 form made from one scale group's)", patched=False,
              params=("nf4tensor", "kwargs")),
     Internal(NF4_MODULE, "to_nf4", "peft=qlora (quantizing the adapted layers' weights)",
              patched=False, params=("tensor", "block_size", "scaler_block_size")),

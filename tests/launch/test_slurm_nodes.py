@@ -251,9 +251,13 @@ def test_layout_auto_on_two_nodes_searches_at_submit_and_keeps_tp_within_a_node(
     from launchers.slurm import resolve_job
 
     monkeypatch.setenv("AUTOMODEL_CACHE", str(tmp_path / "cache"))
+    searches = sorted((tmp_path / "cache" / "layout").glob("*.json"))
+    assert len(searches) == 1, searches
+    # (the same job: its overrides as the command line above had them, CPU pin included)
     args = argparse.Namespace(nodes=2, tasks_per_node=2, partition="two", gpus_per_node=None,
-                              overrides=["layout=auto", *BASE])
+                              overrides=cli_args(["layout=auto", *BASE]))
     cfg, submitted = resolve_job(args, str(tmp_path / "direct"))
+    assert sorted((tmp_path / "cache" / "layout").glob("*.json")) == searches  # (reused)
     assert cfg.layout_mode == "manual" and "layout=manual" in submitted
     assert all(o in submitted for o in plan["overrides"]) and cfg.layout.world_size == 4
     direct = json.loads((tmp_path / "direct" / "plan.json").read_text())

@@ -20,7 +20,7 @@ from automodel.checkpoint.paths import complete_checkpoints
 from tests.cli.test_cli import ROOT, TRAIN
 from tests.helpers import BASE, ON_CPU, train
 
-STEPS = 24
+STEPS = 12
 RUN = BASE[:] + ON_CPU + [f"trainer.max_steps={STEPS}", "trainer.log_every=1"]
 
 

@@ -77,6 +77,30 @@ def test_the_weights_are_4_bit_and_the_forward_is_the_dequantized_model_plus_ada
 
 
 @pytest.mark.fast
+@pytest.mark.parametrize("shape,block,scaler", [((8, 512), 64, 4), ((96, 64), 64, 8),
+                                                ((2, 2048), 32, 16)])
+def test_a_meta_weight_takes_the_nf4_form_torchao_gives_it(shape, block, scaler):
+    """The NF4 form of a meta weight made from one scale group's (``nf4._meta_nf4``, what a
+    model build and the planner quantize) is torchao's: sizes, strides, dtypes and block
+    counts of the tensor and of every inner tensor."""
+    from automodel.peft.nf4 import _torchao
+
+    for dtype in (torch.bfloat16, torch.float32):
+        weight = torch.empty(*shape, dtype=dtype, device="meta")
+        ours, theirs = to_nf4(weight, block, scaler), _torchao().to_nf4(weight, block, scaler)
+        assert is_nf4(ours) and type(ours) is type(theirs)
+        for name in ("block_size", "n_blocks", "scaler_block_size"):
+            assert getattr(ours, name) == getattr(theirs, name), name
+        assert (ours.shape, ours.stride(), ours.dtype, ours.device) == \
+            (theirs.shape, theirs.stride(), theirs.dtype, theirs.device)
+        for name in ("quantized_scalers", "quantization_factor", "scaler_mean", "quantized_data",
+                     "nf4"):
+            a, b = getattr(ours, name), getattr(theirs, name)
+            assert (a.shape, a.stride(), a.dtype, a.device) == \
+                (b.shape, b.stride(), b.dtype, b.device), name
+
+
+@pytest.mark.fast
 @pytest.mark.parametrize("overrides,expected", [
     (QLORA + ["parallelism=fsdp2", "mesh.tp_size=2"],
      "peft=qlora with mesh.tp_size=2: NF4 weights split only by whole rows"),
