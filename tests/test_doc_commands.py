@@ -380,7 +380,8 @@ RECIPE_LAYOUTS = {  # (pp, dp_replicate, dp_shard, tp, ep) of each recipe, as it
 }
 
 
-@pytest.mark.fast
+# (not fast: each real-size recipe's fake step, a pipeline of 8 micro-batches at its width,
+# takes seconds; docs/contributing.md)
 @pytest.mark.parametrize("cmd", [c for c in COMMANDS if c.doc == RECIPES and c.launcher != "plan"],
                          ids=lambda c: c.where)
 def test_recipe_passes_preflight(cmd, doc_files, tmp_path, monkeypatch):

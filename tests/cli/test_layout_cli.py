@@ -49,7 +49,7 @@ def test_rule_on_the_model_structure_fails_before_any_rank(args, expected, tmp_p
     assert expected in str(refused.value)
 
 
-@pytest.mark.fast  # one subprocess, no rank
+# (not fast: its fresh interpreter imports torch to build the model on the meta device)
 def test_the_command_line_exits_2_before_any_rank(tmp_path):
     args, expected = RULES[0]
     out = run(["parallelism=fsdp2"] + args, tmp_path)

@@ -14,7 +14,8 @@ from automodel.config.build import ConfigError
 from automodel.models.builder import build_meta_model, build_model, check_weights, hf_config
 from automodel.models.experts import expert_modules
 
-pytestmark = pytest.mark.fast
+# (not fast: the preflight's fake step of a real-size layout, 70B under an interleaved
+# pipeline, 405B over 8 stages, takes seconds each; docs/contributing.md)
 
 # preset: (class, published total parameters, a layout for it (world size), published active)
 PRESETS = {
