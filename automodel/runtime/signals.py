@@ -14,8 +14,11 @@ from that checkpoint.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
+
+from automodel.runtime.attempts import ATTEMPT_ENV
 
 log = logging.getLogger(__name__)
 
@@ -36,10 +39,18 @@ class StopSignal:
         return self
 
     def restore(self) -> None:
-        """Put back the handlers found at install (kept in ``previous``)."""
-        if threading.current_thread() is threading.main_thread():
-            for sig, handler in self.previous.items():
-                signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+        """Put back the handlers found at install (kept in ``previous``). A rank that stopped
+        under the srun function of in-job restarts ignores stop signals from here to its exit
+        instead: once one rank of the step has exited with its stop code, srun terminates the
+        others (``--kill-on-bad-exit``), and a rank killed by that SIGTERM would end with 143,
+        which the function takes for a failure and restarts (``launch/restarts.py``)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        stopping = self.received is not None and ATTEMPT_ENV in os.environ
+        for sig, handler in self.previous.items():
+            if stopping:
+                handler = signal.SIG_IGN
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
     def _handle(self, signum, frame) -> None:
         if self.received is None:

@@ -58,3 +58,35 @@ def test_a_rank_that_dies_in_every_attempt_ends_the_job_with_the_cause(restarts,
     assert re.search(r"rank 1 failed \(exit code -9\)", str(err.value)), str(err.value)
     log = (tmp_path / "train.log").read_text()
     assert log.count("in-job restart") == restarts
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("under_the_srun_function", [True, False])
+def test_a_stopped_rank_under_the_srun_function_ignores_srun_s_sigterm(
+        under_the_srun_function, monkeypatch):
+    """After its stop, a rank under the srun function of in-job restarts ignores stop signals
+    until it exits: srun terminates a step's other ranks once one has exited with its stop
+    code (--kill-on-bad-exit), and a rank that SIGTERM killed would end with 143, which the
+    function restarts as a failure. Elsewhere the handlers found at install come back."""
+    import signal
+
+    from automodel.runtime.attempts import ATTEMPT_ENV
+    from automodel.runtime.signals import STOP_SIGNALS, StopSignal
+
+    if under_the_srun_function:
+        monkeypatch.setenv(ATTEMPT_ENV, "0")
+    else:
+        monkeypatch.delenv(ATTEMPT_ENV, raising=False)
+    before = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    try:
+        for stopped in (False, True):
+            stop = StopSignal().install()
+            if stopped:
+                stop._handle(signal.SIGUSR1, None)
+            stop.restore()
+            ignored = stopped and under_the_srun_function
+            for sig in STOP_SIGNALS:
+                assert signal.getsignal(sig) == (signal.SIG_IGN if ignored else before[sig])
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
