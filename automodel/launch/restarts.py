@@ -27,10 +27,9 @@ restarts are spent, the step's exit code is the batch script's, and the job scri
 
 from __future__ import annotations
 
-import os
 from typing import Mapping
 
-from automodel.runtime.attempts import ALLOWED_ENV, ATTEMPT_ENV
+from automodel.runtime.attempts import ALLOWED_ENV, ATTEMPT_ENV, under_srun_function
 
 CONFIG_ERROR_EXIT = 2
 
@@ -50,7 +49,7 @@ def stopped_exit_codes() -> list[int]:
 def task_exit_code(stopped) -> int:
     """The exit code of a SLURM task that ``stopped`` (a ``TrainingStopped``) ends: 64 + the
     signal under the srun function, else the shell's 128 + the signal."""
-    if ATTEMPT_ENV in os.environ:
+    if under_srun_function():
         return STOPPED_BASE + stopped.signum
     return stopped.exit_code
 

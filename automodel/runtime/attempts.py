@@ -17,6 +17,13 @@ def in_job_restart(env: Mapping[str, str] = os.environ) -> int:
     return int(env.get("TORCHELASTIC_RESTART_COUNT") or 0) + int(env.get(ATTEMPT_ENV) or 0)
 
 
+def under_srun_function(env: Mapping[str, str] = os.environ) -> bool:
+    """True in a SLURM task that the srun function of in-job restarts started: a stopped rank
+    exits with 64 + the signal there (``launch/restarts.task_exit_code``) and ignores further
+    stop signals until it does (``runtime/signals.StopSignal.restore``)."""
+    return ATTEMPT_ENV in env
+
+
 def restart_follows(env: Mapping[str, str] = os.environ) -> bool:
     """True in a SLURM task whose step the srun function will start again if it fails now."""
     return int(env.get(ATTEMPT_ENV) or 0) < int(env.get(ALLOWED_ENV) or 0)

@@ -14,11 +14,10 @@ from that checkpoint.
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import threading
 
-from automodel.runtime.attempts import ATTEMPT_ENV
+from automodel.runtime.attempts import under_srun_function
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +45,7 @@ class StopSignal:
         which the function takes for a failure and restarts (``launch/restarts.py``)."""
         if threading.current_thread() is not threading.main_thread():
             return
-        stopping = self.received is not None and ATTEMPT_ENV in os.environ
+        stopping = self.received is not None and under_srun_function()
         for sig, handler in self.previous.items():
             if stopping:
                 handler = signal.SIG_IGN

@@ -79,15 +79,24 @@ def test_the_weights_are_4_bit_and_the_forward_is_the_dequantized_model_plus_ada
 @pytest.mark.fast
 @pytest.mark.parametrize("shape,block,scaler", [((8, 512), 64, 4), ((96, 64), 64, 8),
                                                 ((2, 2048), 32, 16)])
-def test_a_meta_weight_takes_the_nf4_form_torchao_gives_it(shape, block, scaler):
+def test_a_meta_weight_takes_the_nf4_form_torchao_gives_it(shape, block, scaler,
+                                                           monkeypatch):
     """The NF4 form of a meta weight made from one scale group's (``nf4._meta_nf4``, what a
     model build and the planner quantize) is torchao's: sizes, strides, dtypes and block
-    counts of the tensor and of every inner tensor."""
-    from automodel.peft.nf4 import _torchao
+    counts of the tensor and of every inner tensor. torchao quantizes one scale group at most,
+    never the whole weight."""
+    from automodel.peft import nf4
 
+    torchao = nf4._torchao()
+    quantized, original = [], torchao.to_nf4
+    monkeypatch.setattr(torchao, "to_nf4",
+                        lambda t, *a: quantized.append(t.numel()) or original(t, *a))
+    nf4._one_group.cache_clear()
     for dtype in (torch.bfloat16, torch.float32):
         weight = torch.empty(*shape, dtype=dtype, device="meta")
-        ours, theirs = to_nf4(weight, block, scaler), _torchao().to_nf4(weight, block, scaler)
+        ours = to_nf4(weight, block, scaler)
+        assert max(quantized) == block * scaler < weight.numel(), quantized
+        theirs = original(weight, block, scaler)
         assert is_nf4(ours) and type(ours) is type(theirs)
         for name in ("block_size", "n_blocks", "scaler_block_size"):
             assert getattr(ours, name) == getattr(theirs, name), name
